@@ -1,0 +1,25 @@
+"""hsa_graph: Hierarchical Self-Attention on nested signals stored as PyG graphs.
+
+The public names of SPEC.md section 4::
+
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    y = hsa_graph.hsa(q, k, v, tree, include_self=True, scale=None)
+    theta = hsa_graph.hsa_weights(q, k, tree)
+"""
+from .ops.dense import hsa_weights
+from .ops.hsa import hsa
+from .signal import GEOMETRIES, NestedSignal, Node, flatten
+from .structure import FamilyBucket, TreeStructure
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GEOMETRIES",
+    "FamilyBucket",
+    "NestedSignal",
+    "Node",
+    "TreeStructure",
+    "flatten",
+    "hsa",
+    "hsa_weights",
+]

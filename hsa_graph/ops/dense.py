@@ -1,0 +1,72 @@
+r"""The dense HSA attention matrix, for inspection, plots and tests (small ``N``)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .hsa import _check_inputs, _compute_dtype, hsa_statistics, resolve_structure
+
+__all__ = ["hsa_weights"]
+
+
+def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
+                scale: Optional[float] = None, pos: Optional[Tensor] = None) -> Tensor:
+    r"""The attention matrix :math:`\theta` of :func:`~hsa_graph.hsa`, per head.
+
+    .. math::
+        \theta_{ij} = m(\mathrm{LCA}(i, j))\, e^{z(A, B) - \mathrm{logaddexp}(\lambda(A), \eta(A))},
+        \qquad \theta_{ii} = m(i)\ (0 \text{ without } \texttt{include\_self})
+
+    with :math:`A \ni i`, :math:`B \ni j` the children of the lowest common ancestor;
+    zero between leaves of different trees. It uses the same per-node statistics as
+    :func:`~hsa_graph.hsa`, so ``hsa_weights(q, k, tree) @ v`` equals
+    ``hsa(q, k, v, tree)``. Memory is :math:`O(H N^2 + H M^2)`: use it on small trees.
+
+    Args:
+        q, k: ``[N, H, D]`` (or ``[N, D]``), one row per leaf.
+        tree, include_self, scale, pos: as in :func:`~hsa_graph.hsa`.
+
+    Returns:
+        ``[H, N, N]`` (``[N, N]`` for two-dimensional inputs); row ``i`` is the
+        distribution leaf ``i`` attends with.
+    """
+    st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    q, k, _, single_head = _check_inputs(q, k, None, st, pos, need_v=False)
+    out_dtype = q.dtype
+    dtype = _compute_dtype(q.dtype)
+    q, k = q.to(dtype), k.to(dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    stats = hsa_statistics(st, q, k, include_self, scale, pos)
+    rq, rk = stats.rq, stats.rk
+
+    n = st.num_leaves
+    node_q = torch.cat([q, rq[:-1]]).transpose(0, 1)           # [H, M, D], unified order
+    node_k = torch.cat([k, rk[:-1]]).transpose(0, 1)
+    logits = torch.matmul(node_q, node_k.transpose(-1, -2)) * scale   # [H, M, M]
+    if pos is not None:
+        node_pos = pos.to(dtype)[st.node_of_unified]
+        node_pos = (node_pos.unsqueeze(1) if node_pos.dim() == 2 else node_pos).transpose(0, 1)
+        logits = logits + torch.matmul(node_pos, node_pos.transpose(-1, -2))
+    total = torch.cat([stats.total_leaf, stats.total_internal[:-1]]).transpose(0, 1)  # [H, M]
+    log_m = torch.cat([stats.log_m_leaf, stats.log_m_internal[:-1]]).transpose(0, 1)
+
+    # Children of the lowest common ancestor holding i and j.
+    paths = st.leaf_paths()                                      # [N, depth + 1]
+    same = (paths.unsqueeze(1) == paths.unsqueeze(0)) & (paths.unsqueeze(1) >= 0)
+    lca_depth = same.long().cumprod(-1).sum(-1) - 1              # [N, N], -1 across trees
+    split = (lca_depth + 1).clamp(max=paths.shape[1] - 1)
+    a = paths.gather(1, split).clamp_min(0)                       # A holds i (row)
+    b = paths.t().gather(0, split).clamp_min(0)                   # B holds j (column)
+    lca = paths.gather(1, lca_depth.clamp_min(0)).clamp_min(0)
+    off_diagonal = (lca_depth >= 0) & ~torch.eye(n, dtype=torch.bool, device=q.device)
+    # Mask the exponent, not the result, so that junk on masked pairs (the diagonal,
+    # other trees) cannot turn into NaN gradients.
+    log_theta = log_m[:, lca] + logits[:, a, b] - total[:, a]
+    theta = torch.exp(log_theta.masked_fill(~off_diagonal, float("-inf")))
+    if include_self:
+        theta = theta + torch.diag_embed(log_m[:, :n].exp())
+    theta = theta.to(out_dtype)
+    return theta.squeeze(0) if single_head else theta

@@ -1,0 +1,592 @@
+"""Nested signals: trees whose leaves carry vectors, stored as PyG graphs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import networkx as nx
+import numpy as np
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+from .structure import TreeStructure
+
+__all__ = ["GEOMETRIES", "NestedSignal", "Node", "flatten"]
+
+#: Geometries of internal nodes; ``NestedSignal.geometry`` stores their index, and
+#: ``-1`` for leaves.
+GEOMETRIES = ("sequence", "grid", "set", "keyvalue", "graph")
+LEAF = -1
+_CODE = {name: code for code, name in enumerate(GEOMETRIES)}
+
+
+def _geometry_code(value: Any, where: str) -> int:
+    if isinstance(value, str) and value in _CODE:
+        return _CODE[value]
+    if isinstance(value, (int, np.integer)) and -1 <= int(value) < len(GEOMETRIES):
+        return int(value)
+    raise ValueError(f"unknown geometry {value!r} at {where}; expected one of {GEOMETRIES}")
+
+
+class NestedSignal(Data):
+    r"""A forest of nested signals as one PyG graph.
+
+    Nodes are numbered ``0 .. M-1``; leaves are the childless nodes, and their rows
+    (in increasing node index) are the rows of ``x`` and of HSA's ``q``, ``k``, ``v``.
+
+    Stored attributes (all batch correctly with :class:`torch_geometric.data.Batch`):
+
+    * ``x`` ``[N, F]`` (or ``[N]`` token ids): leaf features, optional.
+    * ``edge_index`` ``[2, M - R]``: parent -> child edges, so any PyG layer can run
+      on the same object (``R`` = number of roots).
+    * ``geometry`` ``[M]``: index into :data:`GEOMETRIES` for internal nodes, ``-1``
+      for leaves.
+    * ``position`` ``[M, 2]``: each node's position in its parent's geometry: the
+      child index for ``sequence``/``set``/``keyvalue``/``graph``, ``(row, col)`` for
+      ``grid``; ``(-1, -1)`` for roots.
+    * ``modality`` ``[M]``: an integer tag per node (e.g. 0 = text, 1 = image);
+      zeros unless given.
+    * ``key``: the field name of each child of a ``keyvalue`` node (``None``
+      elsewhere), a list of length ``M`` (in a batch: one such list per tree).
+    * ``sibling_edge_index`` ``[2, E]``: edges between siblings of ``graph`` nodes
+      (empty unless given).
+
+    Derived (not stored, computed once and cached): :attr:`parent`, :attr:`is_leaf`,
+    :attr:`structure`.
+
+    Example:
+        >>> tree = NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2], x=torch.randn(5, 4))
+        >>> tree.num_leaves, tree.parent.tolist()
+        (5, [-1, 0, 0, 1, 1, 2, 2, 2])
+    """
+
+    # ----------------------------------------------------------- derived fields
+    @property
+    def parent(self) -> Tensor:
+        """``[M]`` parent of every node, ``-1`` for roots."""
+        m = self.num_nodes
+        parent = torch.full((m,), -1, dtype=torch.long, device=self.edge_index.device)
+        parent[self.edge_index[1]] = self.edge_index[0]
+        return parent
+
+    @property
+    def is_leaf(self) -> Tensor:
+        """``[M]`` whether each node is a leaf (has no children)."""
+        return self.geometry == LEAF
+
+    @property
+    def leaf_index(self) -> Tensor:
+        """Node indices of the leaves, in row order of ``x`` / ``q``."""
+        return self.is_leaf.nonzero().flatten()
+
+    @property
+    def num_leaves(self) -> int:
+        """``N``: the number of leaves."""
+        return int(self.is_leaf.sum())
+
+    @property
+    def structure(self) -> TreeStructure:
+        """The cached :class:`TreeStructure` on the device of ``edge_index``."""
+        return self.structure_for(self.edge_index.device)
+
+    def structure_for(self, device: Union[torch.device, str]) -> TreeStructure:
+        """The cached :class:`TreeStructure` on ``device`` (built once per tree and
+        device; rebuilt only if ``edge_index`` is replaced or modified in place)."""
+        device = torch.device(device)
+        edge_index = self.edge_index
+        signature = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
+                     self.num_nodes)
+        cache = self.__dict__.get("_structure_cache")
+        if cache is None or cache[0] != signature:
+            cache = (signature, {})
+            self.__dict__["_structure_cache"] = cache
+        by_device = cache[1]
+        if device not in by_device:
+            base = next(iter(by_device.values()), None)
+            by_device[device] = (base.to(device) if base is not None
+                                 else TreeStructure.from_parent(self.parent.to(device)))
+        return by_device[device]
+
+    def geometry_names(self) -> List[Optional[str]]:
+        """The geometry of every node as a string (``None`` for leaves)."""
+        return [GEOMETRIES[g] if g >= 0 else None for g in self.geometry.tolist()]
+
+    def __inc__(self, key: str, value: Any, *args, **kwargs) -> Any:
+        if key == "key":
+            return 0
+        return super().__inc__(key, value, *args, **kwargs)
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def from_parents(
+        cls,
+        parent: Union[Sequence[int], Tensor, np.ndarray],
+        x: Optional[Tensor] = None,
+        *,
+        geometry: Union[str, Sequence[Optional[str]], Tensor] = "sequence",
+        position: Optional[Union[Tensor, Sequence]] = None,
+        modality: Optional[Union[Tensor, Sequence[int]]] = None,
+        key: Optional[Sequence[Optional[str]]] = None,
+        sibling_edge_index: Optional[Tensor] = None,
+        **attrs: Any,
+    ) -> NestedSignal:
+        r"""Build a forest from a parent array.
+
+        Args:
+            parent: ``parent[u]`` is the parent of node ``u``; ``-1`` marks a root
+                (several roots = independent trees). Leaves are the childless nodes.
+            x: leaf features ``[N, F]`` or token ids ``[N]``, rows in increasing
+                node index.
+            geometry: one geometry name for every internal node, or one entry per
+                node (``None`` for leaves), or integer codes.
+            position: ``[M]`` or ``[M, 2]`` positions in the parent's geometry. By
+                default, each node's index among its siblings (in node order);
+                required for children of ``grid`` nodes.
+            modality: optional ``[M]`` integer tag per node.
+            key: field names of the children of ``keyvalue`` nodes (length ``M``).
+            sibling_edge_index: ``[2, E]`` edges between siblings of ``graph`` nodes.
+            **attrs: any further PyG attributes to store.
+
+        Raises:
+            ValueError: naming the node, for parents out of range, cycles, missing or
+                misplaced geometries, positions or features of the wrong shape.
+        """
+        parent = _as_long_tensor(parent, "parent")
+        structure = TreeStructure.from_parent(parent)  # validates: range, cycles
+        m = parent.numel()
+        device = parent.device
+        has_parent = parent >= 0
+        child_count = torch.bincount(parent[has_parent], minlength=m)
+        is_leaf = child_count == 0
+
+        geometry = _geometry_codes(geometry, is_leaf)
+        # Children in node order; the stable sort keeps each family in node order.
+        children = has_parent.nonzero().flatten()
+        children = children[torch.sort(parent[children], stable=True).indices]
+        edge_index = torch.stack([parent[children], children])
+        position = _positions(position, parent, geometry, children, m, device)
+        if x is not None:
+            x = torch.as_tensor(x)
+            n = int(is_leaf.sum())
+            if x.dim() == 0 or x.shape[0] != n:
+                raise ValueError(
+                    f"x must have one row per leaf: the tree has {n} leaves, x has shape "
+                    f"{tuple(x.shape)}")
+        if modality is not None:
+            modality = _as_long_tensor(modality, "modality")
+            if modality.shape != (m,):
+                raise ValueError(f"modality must have shape [{m}], got {tuple(modality.shape)}")
+        if key is not None:
+            key = list(key)
+            if len(key) != m:
+                raise ValueError(f"key must have one entry per node ({m}), got {len(key)}")
+            parent_geometry = torch.where(has_parent, geometry[parent.clamp_min(0)], LEAF)
+            for u in (parent_geometry == _CODE["keyvalue"]).nonzero().flatten().tolist():
+                if not isinstance(key[u], str):
+                    raise ValueError(f"node {u} is a field of keyvalue node "
+                                     f"{int(parent[u])} but has no string key")
+        elif bool((geometry == _CODE["keyvalue"]).any()):
+            u = int((geometry == _CODE["keyvalue"]).nonzero()[0])
+            raise ValueError(f"node {u} has geometry 'keyvalue' but no field names "
+                             "(key=...) were given for its children")
+        if sibling_edge_index is not None:
+            sibling_edge_index = _check_sibling_edges(sibling_edge_index, parent, geometry)
+        # Optional fields are always present so that any trees can share a batch.
+        if modality is None:
+            modality = torch.zeros(m, dtype=torch.long, device=device)
+        if key is None:
+            key = [None] * m
+        if sibling_edge_index is None:
+            sibling_edge_index = torch.zeros((2, 0), dtype=torch.long, device=device)
+        data = cls(x=x, edge_index=edge_index, geometry=geometry, position=position,
+                   modality=modality, key=key, sibling_edge_index=sibling_edge_index,
+                   num_nodes=m, **attrs)
+        data.__dict__["_structure_cache"] = (
+            (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape), m),
+            {device: structure})
+        return data
+
+    @classmethod
+    def from_networkx(cls, graph: nx.DiGraph, root: Any = None) -> NestedSignal:
+        """Build from a networkx tree or forest.
+
+        ``graph`` is an ``nx.DiGraph`` with parent -> child edges, or an undirected
+        ``nx.Graph`` tree with ``root`` given. Nodes are numbered in the graph's node
+        order. Node attributes read: ``x`` (leaf feature vector or token id),
+        ``geometry``, ``position``, ``modality``, ``key``. Edges between siblings of a
+        ``graph`` node can be given as the graph attribute ``sibling_edges`` (pairs of
+        node labels).
+        """
+        if not isinstance(graph, nx.Graph):
+            raise TypeError(f"expected a networkx graph, got {type(graph).__name__}")
+        if graph.number_of_nodes() == 0:
+            raise ValueError("the graph has no nodes")
+        if not graph.is_directed():
+            if root is None:
+                raise ValueError("an undirected tree needs a root: from_networkx(G, root=...)")
+            if root not in graph:
+                raise ValueError(f"root {root!r} is not a node of the graph")
+            if not nx.is_tree(graph):
+                raise ValueError("the undirected graph is not a tree (it has a cycle or "
+                                 "is disconnected)")
+            oriented = nx.DiGraph(**graph.graph)  # keeps the graph's node order
+            oriented.add_nodes_from(graph.nodes(data=True))
+            oriented.add_edges_from(nx.bfs_edges(graph, root))
+            graph = oriented
+        labels = list(graph.nodes)
+        index = {label: u for u, label in enumerate(labels)}
+        parent = [-1] * len(labels)
+        for a, b in graph.edges:
+            if a == b:
+                raise ValueError(f"self-loop at node {a!r}")
+            u = index[b]
+            if parent[u] != -1:
+                raise ValueError(f"node {b!r} has two parents: {labels[parent[u]]!r} and {a!r}")
+            parent[u] = index[a]
+        attrs = graph.nodes
+        is_leaf = [graph.out_degree(label) == 0 for label in labels]
+        geometry = [None if leaf else attrs[label].get("geometry", "sequence")
+                    for label, leaf in zip(labels, is_leaf)]
+        position = None
+        if any("position" in attrs[label] for label in labels):
+            position = [_position_pair(attrs[label].get("position"), label) for label in labels]
+        modality = None
+        if any("modality" in attrs[label] for label in labels):
+            modality = [int(attrs[label].get("modality", 0)) for label in labels]
+        key = None
+        if any("key" in attrs[label] for label in labels):
+            key = [attrs[label].get("key") for label in labels]
+        x = None
+        leaf_x = [attrs[label].get("x") for label, leaf in zip(labels, is_leaf) if leaf]
+        if any(value is not None for value in leaf_x):
+            missing = [label for label, leaf in zip(labels, is_leaf)
+                       if leaf and attrs[label].get("x") is None]
+            if missing:
+                raise ValueError(f"leaf {missing[0]!r} has no 'x' while other leaves do")
+            x = _stack_leaves(leaf_x, [label for label, leaf in zip(labels, is_leaf) if leaf])
+        sibling_edge_index = None
+        if graph.graph.get("sibling_edges"):
+            pairs = [(index[a], index[b]) for a, b in graph.graph["sibling_edges"]]
+            sibling_edge_index = torch.tensor(pairs, dtype=torch.long).t()
+        return cls.from_parents(parent, x, geometry=geometry, position=position,
+                                modality=modality, key=key,
+                                sibling_edge_index=sibling_edge_index)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """A ``nx.DiGraph`` (parent -> child) with every attribute on its nodes;
+        :meth:`from_networkx` of it gives back an equal :class:`NestedSignal`."""
+        graph = nx.DiGraph()
+        m = self.num_nodes
+        leaf = self.is_leaf.tolist()
+        names = self.geometry_names()
+        position = self.position.tolist()
+        modality = self.modality.tolist()
+        key = self.key
+        x_rows = iter(self.x.unbind(0)) if self.get("x") is not None else None
+        for u in range(m):
+            attrs: Dict[str, Any] = {"position": tuple(position[u])}
+            if not leaf[u]:
+                attrs["geometry"] = names[u]
+            elif x_rows is not None:
+                attrs["x"] = next(x_rows)
+            if modality[u]:
+                attrs["modality"] = modality[u]
+            if key[u] is not None:
+                attrs["key"] = key[u]
+            graph.add_node(u, **attrs)
+        graph.add_edges_from(self.edge_index.t().tolist())
+        if self.sibling_edge_index.numel():
+            graph.graph["sibling_edges"] = [tuple(e) for e in self.sibling_edge_index.t().tolist()]
+        return graph
+
+    @classmethod
+    def from_nested(cls, data: Any, *, modality: Optional[int] = None) -> NestedSignal:
+        """Build one tree from nested Python data.
+
+        * a ``list`` or ``tuple`` is a ``sequence`` of its items;
+        * a ``dict`` is a ``keyvalue`` node, one field per key (the key is the field
+          name, stored in ``key``);
+        * :class:`Node` sets the geometry (``set``, ``grid``, ``graph``...) and
+          modality explicitly;
+        * a leaf is a 1-D tensor/array (a vector; all leaves the same length) or an
+          ``int`` (a token id; all leaves then ints).
+
+        Example:
+            >>> tree = NestedSignal.from_nested([[1, 2, 3], [4, 5]])   # two sentences
+            >>> tree.num_leaves, tree.geometry_names()[0]
+            (5, 'sequence')
+        """
+        builder = _NestedBuilder(modality)
+        builder.walk(data)
+        return builder.build(cls)
+
+
+@dataclass
+class Node:
+    """An explicit node for :meth:`NestedSignal.from_nested`.
+
+    Args:
+        children: the items (a list, or a dict for ``keyvalue``), or, for
+            ``grid``, a list of rows (each a list of items).
+        geometry: one of :data:`GEOMETRIES`.
+        modality: optional integer tag for this node and its subtree.
+        edges: for ``graph``: pairs ``(i, j)`` of child indices.
+    """
+
+    children: Any
+    geometry: str = "sequence"
+    modality: Optional[int] = None
+    edges: Sequence = field(default_factory=list)
+
+
+class _NestedBuilder:
+    """Walks nested Python data iteratively (no recursion limit)."""
+
+    def __init__(self, modality: Optional[int]):
+        self.parent: List[int] = []
+        self.geometry: List[Optional[str]] = []
+        self.position: List[tuple] = []
+        self.key: List[Optional[str]] = []
+        self.modality: List[int] = []
+        self.leaves: List[Any] = []
+        self.leaf_paths: List[str] = []
+        self.sibling_edges: List[tuple] = []
+        self.root_modality = modality
+
+    def walk(self, data: Any) -> None:
+        stack = [(data, -1, (-1, -1), None, self.root_modality, "root")]
+        while stack:
+            item, parent, pos, key, modality, path = stack.pop()
+            u = len(self.parent)
+            self.parent.append(parent)
+            self.position.append(pos)
+            self.key.append(key)
+            geometry, modality, children = self._expand(item, modality, path, u)
+            self.modality.append(-1 if modality is None else modality)
+            self.geometry.append(geometry)
+            if geometry is None:
+                self.leaves.append(item)
+                self.leaf_paths.append(path)
+            # push in reverse so that children get increasing node indices in order
+            for child, child_pos, child_key, child_path in reversed(children):
+                stack.append((child, u, child_pos, child_key, modality, child_path))
+
+    def _expand(self, item: Any, modality: Optional[int], path: str, u: int):
+        if isinstance(item, Node):
+            modality = item.modality if item.modality is not None else modality
+            geometry = item.geometry
+            if geometry not in _CODE:
+                raise ValueError(f"unknown geometry {geometry!r} at {path}")
+            if geometry == "grid":
+                rows = list(item.children)
+                children = [(c, (r, col), None, f"{path}[{r}][{col}]")
+                            for r, row in enumerate(rows) for col, c in enumerate(row)]
+            elif geometry == "keyvalue":
+                if not isinstance(item.children, dict):
+                    raise ValueError(f"a keyvalue Node needs a dict at {path}")
+                children = [(c, (i, 0), str(name), f"{path}.{name}")
+                            for i, (name, c) in enumerate(item.children.items())]
+            else:
+                children = [(c, (i, 0), None, f"{path}[{i}]")
+                            for i, c in enumerate(item.children)]
+                if geometry == "graph":  # child indices become node ids in build()
+                    self.sibling_edges.extend((u, i, j) for i, j in item.edges)
+        elif isinstance(item, dict):
+            geometry = "keyvalue"
+            children = [(c, (i, 0), str(name), f"{path}.{name}")
+                        for i, (name, c) in enumerate(item.items())]
+        elif isinstance(item, (list, tuple)):
+            geometry = "sequence"
+            children = [(c, (i, 0), None, f"{path}[{i}]") for i, c in enumerate(item)]
+        elif isinstance(item, (Tensor, np.ndarray, int, np.integer)) and not isinstance(item, bool):
+            return None, modality, []
+        else:
+            raise TypeError(f"cannot make a leaf or a node from {type(item).__name__} at "
+                            f"{path}; use a list, dict, Node, int token id or 1-D vector")
+        if not children:
+            raise ValueError(f"empty {geometry} at {path}: an internal node needs children")
+        return geometry, modality, children
+
+    def build(self, cls) -> NestedSignal:
+        x = _stack_leaves(self.leaves, self.leaf_paths)
+        modality = None
+        if any(t >= 0 for t in self.modality):
+            modality = [max(t, 0) for t in self.modality]
+        sibling_edge_index = None
+        if self.sibling_edges:
+            kids: Dict[int, List[int]] = {}
+            for child, pa in enumerate(self.parent):
+                kids.setdefault(pa, []).append(child)
+            pairs = []
+            for u, i, j in self.sibling_edges:
+                family = kids[u]
+                if not (0 <= i < len(family) and 0 <= j < len(family)):
+                    raise ValueError(f"graph edge ({i}, {j}) of node {u} is out of range "
+                                     f"({len(family)} children)")
+                pairs.append((family[i], family[j]))
+            sibling_edge_index = torch.tensor(pairs, dtype=torch.long).t()
+        key = self.key if any(k is not None for k in self.key) else None
+        return cls.from_parents(self.parent, x, geometry=self.geometry,
+                                position=self.position, modality=modality, key=key,
+                                sibling_edge_index=sibling_edge_index)
+
+
+def flatten(tree: NestedSignal) -> NestedSignal:
+    """The one-level forest over the same leaves: each tree becomes a root (a
+    ``sequence``) whose children are its leaves, in order; leaf features, modality and
+    any per-leaf attribute are kept. The paper's flat self-attention baseline:
+    ``hsa(q, k, v, flatten(tree))`` is standard softmax attention per tree."""
+    st = tree.structure
+    t = st.num_trees
+    device = tree.edge_index.device
+    parent = torch.cat([torch.full((t,), -1, dtype=torch.long, device=device),
+                        st.leaf_tree])
+    # Roots first, then the leaves in their row order.
+    modality = torch.cat([torch.zeros(t, dtype=torch.long, device=device),
+                          tree.modality[tree.leaf_index]])
+    return NestedSignal.from_parents(parent, tree.get("x"), geometry="sequence",
+                                     modality=modality)
+
+
+# ------------------------------------------------------------------- helpers
+def _as_long_tensor(value: Any, name: str) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+        return value.long()
+    try:
+        array = np.asarray(value)
+    except Exception as error:  # ragged lists and the like
+        raise TypeError(f"{name} must be a sequence of integers: {error}") from None
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise TypeError(f"{name} must be a sequence of integers, got {array.dtype}")
+    return torch.as_tensor(array.astype(np.int64))
+
+
+def _geometry_codes(geometry: Any, is_leaf: Tensor) -> Tensor:
+    m = is_leaf.numel()
+    if isinstance(geometry, str):
+        code = _geometry_code(geometry, "geometry")
+        return torch.where(is_leaf, LEAF, code).long()
+    if isinstance(geometry, Tensor):
+        codes = geometry.long()
+    else:
+        geometry = list(geometry)
+        if len(geometry) != m:
+            raise ValueError(f"geometry must have one entry per node ({m}), got {len(geometry)}")
+        codes = torch.tensor([LEAF if g is None else _geometry_code(g, f"node {u}")
+                              for u, g in enumerate(geometry)], dtype=torch.long)
+    if codes.shape != (m,):
+        raise ValueError(f"geometry must have shape [{m}], got {tuple(codes.shape)}")
+    codes = codes.to(is_leaf.device)
+    out_of_range = (codes < LEAF) | (codes >= len(GEOMETRIES))
+    if bool(out_of_range.any()):
+        u = int(out_of_range.nonzero()[0])
+        raise ValueError(f"node {u} has geometry code {int(codes[u])}; codes lie in "
+                         f"[-1, {len(GEOMETRIES) - 1}] (-1 = leaf, else an index into "
+                         f"{GEOMETRIES})")
+    missing = ~is_leaf & (codes == LEAF)
+    if bool(missing.any()):
+        u = int(missing.nonzero()[0])
+        raise ValueError(f"internal node {u} has no geometry (one of {GEOMETRIES} is needed)")
+    misplaced = is_leaf & (codes != LEAF)
+    if bool(misplaced.any()):
+        u = int(misplaced.nonzero()[0])
+        raise ValueError(f"node {u} is a leaf (it has no children) but has geometry "
+                         f"{GEOMETRIES[int(codes[u])]!r}")
+    return codes
+
+
+def _positions(position: Any, parent: Tensor, geometry: Tensor, children: Tensor,
+               m: int, device) -> Tensor:
+    parent_geometry = torch.where(parent >= 0, geometry[parent.clamp_min(0)], LEAF)
+    if position is None:
+        grid_children = parent_geometry == _CODE["grid"]
+        if bool(grid_children.any()):
+            u = int(grid_children.nonzero()[0])
+            raise ValueError(f"node {int(parent[u])} has geometry 'grid' but no (row, col) "
+                             f"positions were given for its children (e.g. node {u})")
+        # index among siblings, in node order (children are sorted by parent, stable)
+        out = torch.full((m, 2), -1, dtype=torch.long, device=device)
+        if children.numel():
+            fam = parent[children]
+            first = torch.ones_like(fam, dtype=torch.bool)
+            first[1:] = fam[1:] != fam[:-1]
+            idx = torch.arange(fam.numel(), device=device)
+            start = torch.cummax(torch.where(first, idx, 0), 0).values
+            out[children, 0] = idx - start
+            out[children, 1] = 0
+        return out
+    if not isinstance(position, Tensor):
+        position = [(-1, -1) if p is None else p for p in position]
+    out = _as_long_tensor(position, "position").to(device)
+    if out.dim() == 1:
+        out = torch.stack([out, torch.zeros_like(out)], 1)
+    if out.shape != (m, 2):
+        raise ValueError(f"position must have shape [{m}] or [{m}, 2], got {tuple(out.shape)}")
+    return out
+
+
+def _position_pair(value: Any, label: Any) -> tuple:
+    if value is None:
+        return (-1, -1)
+    if isinstance(value, (int, np.integer)):
+        return (int(value), 0)
+    try:
+        pair = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"node {label!r}: position must be an int or an (int, int) pair, "
+                         f"got {value!r}") from None
+    if len(pair) == 1:
+        pair = (pair[0], 0)
+    if len(pair) != 2:
+        raise ValueError(f"node {label!r}: position must have at most 2 entries, got {value!r}")
+    return pair
+
+
+def _stack_leaves(values: List[Any], where: Iterable[Any]) -> Optional[Tensor]:
+    where = list(where)
+    if not values:
+        return None
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        return torch.tensor([int(v) for v in values], dtype=torch.long)
+    if all(isinstance(v, Tensor) and v.dim() == 0 for v in values):  # scalars / token ids
+        return torch.stack(values)
+    tensors = []
+    for v, w in zip(values, where):
+        if isinstance(v, (int, np.integer)):
+            raise ValueError(f"leaf at {w} is a token id but other leaves are vectors")
+        t = torch.as_tensor(v)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if t.dim() != 1:
+            raise ValueError(f"leaf at {w} must be a 1-D vector, got shape {tuple(t.shape)}")
+        tensors.append(t)
+    first = tensors[0].shape
+    for t, w in zip(tensors, where):
+        if t.shape != first:
+            raise ValueError(f"leaf at {w} has {t.shape[0]} features, the first leaf has "
+                             f"{first[0]}")
+    return torch.stack(tensors)
+
+
+def _check_sibling_edges(edges: Tensor, parent: Tensor, geometry: Tensor) -> Tensor:
+    edges = _as_long_tensor(edges, "sibling_edge_index")
+    if edges.dim() != 2 or edges.shape[0] != 2:
+        raise ValueError(f"sibling_edge_index must have shape [2, E], got {tuple(edges.shape)}")
+    m = parent.numel()
+    if edges.numel() and bool(((edges < 0) | (edges >= m)).any()):
+        raise ValueError(f"sibling_edge_index has nodes outside [0, {m - 1}]")
+    pa, pb = parent[edges[0]], parent[edges[1]]
+    bad = (pa != pb) | (pa < 0)
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0])
+        raise ValueError(f"sibling edge ({int(edges[0, e])}, {int(edges[1, e])}) joins nodes "
+                         "that are not siblings")
+    not_graph = geometry[pa] != _CODE["graph"]
+    if bool(not_graph.any()):
+        e = int(not_graph.nonzero()[0])
+        raise ValueError(f"sibling edge ({int(edges[0, e])}, {int(edges[1, e])}) is under node "
+                         f"{int(pa[e])}, whose geometry is not 'graph'")
+    return edges

@@ -1,0 +1,466 @@
+"""The derived tree layout that every HSA pass reads.
+
+:class:`TreeStructure` is the one place that knows how a forest is laid out in memory.
+It is built once per tree (or batch of trees) with vectorised tensor code and cached
+on the :class:`~hsa_graph.NestedSignal`, so every layer and head reuses it.
+
+Layout ("unified" node numbering ``u``):
+
+* leaves come first, ``u = 0 .. N-1``, in increasing original node index (the row order
+  of ``q``, ``k``, ``v`` and ``x``);
+* internal nodes follow, ``u = N .. M-1``, sorted by (depth, parent, node index), so the
+  internal nodes of one depth form a contiguous slice and every family (the children
+  of one parent) is contiguous inside its depth.
+
+Families with at least two members (the only ones with siblings) are grouped into
+buckets of equal padded size ``b`` (the next power of two of the family size), so a
+bucket's sibling softmax is one padded batched matmul of shape ``[F, H, b, b]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["FamilyBucket", "TreeStructure"]
+
+
+@dataclass(frozen=True)
+class FamilyBucket:
+    r"""Families of one padded size ``b`` (see :class:`TreeStructure`).
+
+    Slots are numbered ``slot = family * b + position``. Member values are gathered
+    from two sources, leaves (``leaf_slot`` <- ``leaf_src``, leaf rows) and internal
+    nodes (``internal_slot`` <- ``internal_src``, internal rows); padding slots stay
+    empty and are masked by ``pad_bias``.
+    """
+
+    size: int
+    num_families: int
+    parent: Tensor  # [F] internal row of each family's parent
+    leaf_slot: Tensor
+    leaf_src: Tensor
+    internal_slot: Tensor
+    internal_src: Tensor
+    log_size: Tensor  # [F, b] log n(B) of each member, -inf on padding
+    #: when the bucket is exactly ``leaves[start : start + F * b]`` (a reshape, no gather)
+    leaf_range: Optional[tuple] = None
+    #: when the bucket is exactly ``internal[start : start + F * b]``
+    internal_range: Optional[tuple] = None
+
+
+@dataclass(frozen=True)
+class TreeStructure:
+    r"""Levels, families, leaf counts and sibling slots of a forest.
+
+    Build it with :meth:`from_parent` (or let :attr:`NestedSignal.structure` do it).
+    All tensors live on one device; the integers are Python ints so that passes over
+    levels never synchronise with the device.
+
+    Attributes:
+        num_nodes: ``M``, all nodes of the forest.
+        num_leaves: ``N``, childless nodes.
+        num_trees: number of roots.
+        node_of_unified: ``[M]`` original node index of each unified index.
+        unified_of_node: ``[M]`` the inverse permutation.
+        leaf_parent: ``[N]`` internal row (``u - N``) of each leaf's parent, or
+            ``num_internal`` (a null row) for a leaf that is a root.
+        internal_parent: ``[I]`` internal row of each internal node's parent, or
+            ``num_internal`` for roots.
+        leaf_size / internal_size: ``[N]`` ones / ``[I]`` leaf counts ``n(A)``
+            (float64, cast on use).
+        depth: ``[M]`` depth of each unified node, roots at 0.
+        leaf_tree: ``[N]`` tree (root rank) of each leaf.
+        level_ptr: internal rows of depth ``d`` are ``level_ptr[d] : level_ptr[d+1]``.
+        level_parent: ``level_parent[d]`` is the parent of each internal row of depth
+            ``d`` as an offset into depth ``d - 1`` (empty for ``d = 0``).
+        buckets: the sibling families, grouped by padded size.
+        lonely_leaf: leaves without siblings (only child, or a root), in no bucket.
+    """
+
+    num_nodes: int
+    num_leaves: int
+    num_trees: int
+    node_of_unified: Tensor
+    unified_of_node: Tensor
+    leaf_parent: Tensor
+    internal_parent: Tensor
+    leaf_size: Tensor
+    internal_size: Tensor
+    depth: Tensor
+    leaf_tree: Tensor
+    level_ptr: List[int]
+    level_parent: List[Tensor]
+    buckets: List[FamilyBucket]
+    lonely_leaf: Tensor
+
+    @property
+    def num_internal(self) -> int:
+        return self.num_nodes - self.num_leaves
+
+    @property
+    def device(self) -> torch.device:
+        return self.node_of_unified.device
+
+    @property
+    def max_depth(self) -> int:
+        """Depth of the deepest internal node (-1 when there is none); leaves may sit
+        one level deeper."""
+        return len(self.level_ptr) - 3
+
+    @property
+    def num_families(self) -> int:
+        """Families with at least two members (the ones HSA runs a softmax over)."""
+        return sum(b.num_families for b in self.buckets)
+
+    @property
+    def num_attention_weights(self) -> int:
+        """Sibling logits HSA evaluates: the sum over families of (size^2 - size)."""
+        return int(self._family_sizes.pow(2).sub(self._family_sizes).sum())
+
+    @property
+    def _family_sizes(self) -> Tensor:
+        counts = torch.bincount(
+            torch.cat([self.leaf_parent, self.internal_parent]),
+            minlength=self.num_internal + 1,
+        )[: self.num_internal]
+        return counts[counts >= 2].long()
+
+    def leaf_paths(self) -> Tensor:
+        """``[N, max_depth + 2]`` unified ancestors of each leaf by depth (itself at
+        its own depth), ``-1`` below it. Dense; for small trees (inspection, tests)."""
+        n = self.num_leaves
+        depth_all = self.depth
+        paths = torch.full((n, self.max_depth + 2), -1, dtype=torch.long, device=self.device)
+        rows = torch.arange(n, device=self.device)
+        parent_u = self.parent_unified()
+        current = torch.arange(n, device=self.device)
+        for _ in range(self.max_depth + 2):
+            alive = current >= 0
+            safe = current.clamp_min(0)
+            paths[rows[alive], depth_all[safe[alive]]] = current[alive]
+            current = torch.where(alive, parent_u[safe], current)
+        return paths
+
+    def parent_unified(self) -> Tensor:
+        """``[M]`` unified index of each unified node's parent, ``-1`` for roots."""
+        n, i = self.num_leaves, self.num_internal
+        both = torch.cat([self.leaf_parent, self.internal_parent])
+        return torch.where(both == i, -1, both + n)
+
+    # ------------------------------------------------------------------ passes
+    # Every pass below is vectorised over the nodes of one depth and loops only over
+    # depths: the operator, pooling and the dense matrix all go through them.
+
+    def to_internal(self, leaf_values: Tensor) -> Tensor:
+        """Sum leaf rows ``[N, ...]`` into their parents: ``[I + 1, ...]`` (null row last)."""
+        out = leaf_values.new_zeros((self.num_internal + 1, *leaf_values.shape[1:]))
+        whole = self.whole_leaf_bucket
+        if whole is not None:  # leaves are contiguous families: a reshape and a sum
+            whole = self.buckets[whole]
+            sums = leaf_values.view(whole.num_families, whole.size, *leaf_values.shape[1:])
+            return out.index_copy(0, whole.parent, sums.sum(1))
+        out = out.index_add(0, self.leaf_parent, leaf_values)
+        if self.lonely_leaf.numel():  # leaves that are roots added into the null row
+            out = torch.cat([out[:-1], out.new_zeros((1, *out.shape[1:]))])
+        return out
+
+    @property
+    def whole_leaf_bucket(self) -> Optional[int]:
+        """Index of the bucket holding every leaf in leaf order, when there is one."""
+        for index, bucket in enumerate(self.buckets):
+            if bucket.leaf_range == (0, self.num_leaves):
+                return index
+        return None
+
+    def bottom_up(self, leaf_part: Tensor,
+                  combine: Optional[Callable[[Tensor, int, int], Tensor]] = None) -> Tensor:
+        r"""Accumulate children into parents, deepest level first.
+
+        ``value(A) = leaf_part(A) + sum_{C internal child of A} combine(value(C))``,
+        where ``combine(values, lo, hi)`` maps the values of internal rows ``lo:hi``
+        (identity when ``None``). ``leaf_part``: ``[I + 1, ...]`` (e.g. from
+        :meth:`to_internal`); returns ``[I + 1, ...]`` with the null row of
+        ``leaf_part`` kept last.
+        """
+        ptr = self.level_ptr
+        levels: List[Tensor] = []
+        below: Optional[Tensor] = None
+        for d in range(self.max_depth, -1, -1):
+            value = leaf_part[ptr[d]:ptr[d + 1]]
+            if below is not None and below.shape[0] > 0:
+                if combine is not None:
+                    below = combine(below, ptr[d + 1], ptr[d + 2])
+                value = value.index_add(0, self.level_parent[d + 1], below)
+            levels.append(value)
+            below = value
+        levels.reverse()
+        return torch.cat(levels + [leaf_part[self.num_internal:]])
+
+    def subtree_sum(self, leaf_values: Tensor) -> Tensor:
+        """Sum of ``leaf_values [N, ...]`` over the leaves under each internal node:
+        ``[I + 1, ...]`` (null row last, zero)."""
+        return self.bottom_up(self.to_internal(leaf_values))
+
+    def subtree_mean(self, leaf_values: Tensor) -> Tensor:
+        """Mean of ``leaf_values`` over ``l(A)`` for each internal ``A``: ``[I + 1, ...]``."""
+        sums = self.subtree_sum(leaf_values)
+        size = torch.cat([self.internal_size, self.internal_size.new_ones(1)])
+        return sums / size.to(sums.dtype).view(-1, *([1] * (sums.dim() - 1)))
+
+    def path_sum(self, delta: Tensor) -> Tensor:
+        r"""Top-down accumulation ``value(A) = value(pa(A)) + delta(A)``, with
+        ``value(root) = 0``. ``delta``: ``[I + 1, ...]``; returns ``[I + 1, ...]``
+        (null row zero), so ``value[leaf_parent]`` is each leaf's parent's value."""
+        ptr = self.level_ptr
+        value = delta.new_zeros((ptr[1] - ptr[0], *delta.shape[1:]))
+        levels = [value]
+        for d in range(1, self.max_depth + 1):
+            value = value[self.level_parent[d]] + delta[ptr[d]:ptr[d + 1]]
+            levels.append(value)
+        levels.append(delta.new_zeros((1, *delta.shape[1:])))
+        return torch.cat(levels)
+
+    def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
+                      internal_values: Tensor) -> Tensor:
+        """Member values of a bucket's families: ``[F, b, ...]`` (zeros on padding)."""
+        rest = leaf_values.shape[1:]
+        f, b = bucket.num_families, bucket.size
+        if bucket.leaf_range is not None:
+            lo, hi = bucket.leaf_range
+            return leaf_values[lo:hi].view(f, b, *rest)
+        if bucket.internal_range is not None:
+            lo, hi = bucket.internal_range
+            return internal_values[lo:hi].reshape(f, b, *rest)
+        out = leaf_values.new_zeros((f * b, *rest))
+        out = out.index_copy(0, bucket.leaf_slot, leaf_values[bucket.leaf_src])
+        out = out.index_copy(0, bucket.internal_slot, internal_values[bucket.internal_src])
+        return out.view(f, b, *rest)
+
+    def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
+                       like: Tensor) -> Tensor:
+        """Inverse of :meth:`gather_bucket` for the leaves: per-member rows
+        ``[F * b, ...]`` of each bucket (``None`` for buckets without leaves) ->
+        ``[N, ...]``, ``fill`` for leaves in no family."""
+        whole = self.whole_leaf_bucket
+        if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
+            return per_bucket[whole]
+        out = like.new_full((self.num_leaves, *like.shape[1:]), fill)
+        for bucket, rows in zip(self.buckets, per_bucket):
+            if bucket.leaf_slot.numel():
+                out = out.index_copy(0, bucket.leaf_src, rows[bucket.leaf_slot])
+        return out
+
+    def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
+                         like: Tensor) -> Tensor:
+        """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]``."""
+        out = like.new_full((self.num_internal + 1, *like.shape[1:]), fill)
+        for bucket, rows in zip(self.buckets, per_bucket):
+            if bucket.internal_slot.numel():
+                out = out.index_copy(0, bucket.internal_src, rows[bucket.internal_slot])
+        return out
+
+    def to(self, device: torch.device | str) -> TreeStructure:
+        """A copy on ``device``."""
+        def move(value):
+            if isinstance(value, Tensor):
+                return value.to(device)
+            if isinstance(value, FamilyBucket):
+                return FamilyBucket(**{k: move(v) for k, v in vars(value).items()})
+            if isinstance(value, list):
+                return [move(v) for v in value]
+            return value
+        return TreeStructure(**{k: move(v) for k, v in vars(self).items()})
+
+    @classmethod
+    def from_parent(cls, parent: Tensor) -> TreeStructure:
+        """Validate a parent array (``parent[u]`` = parent of ``u``, ``-1`` = root)
+        and derive the layout. Raises ``ValueError`` naming the offending node."""
+        return _build(parent)
+
+
+def _check_parent(parent: Tensor) -> None:
+    if not isinstance(parent, Tensor):
+        raise TypeError(f"parent must be a LongTensor, got {type(parent).__name__}")
+    if parent.dim() != 1:
+        raise ValueError(f"parent must be one-dimensional, got shape {tuple(parent.shape)}")
+    if parent.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"parent must hold integers, got dtype {parent.dtype}")
+    m = parent.numel()
+    if m == 0:
+        raise ValueError("the tree is empty: parent has no nodes")
+    bad = (parent < -1) | (parent >= m)
+    if bool(bad.any()):
+        u = int(bad.nonzero()[0])
+        raise ValueError(
+            f"parent index out of range at node {u}: parent[{u}] = {int(parent[u])}, "
+            f"expected -1 (root) or a node in [0, {m - 1}]")
+    loops = parent == torch.arange(m, device=parent.device)
+    if bool(loops.any()):
+        u = int(loops.nonzero()[0])
+        raise ValueError(f"cycle: node {u} is its own parent")
+
+
+def _depth_by_pointer_jumping(parent: Tensor) -> Tensor:
+    """Depth of every node in O(M log M) without a loop over nodes; raises on cycles."""
+    m = parent.numel()
+    is_root = parent < 0
+    ancestor = torch.where(is_root, torch.arange(m, device=parent.device), parent)
+    depth = (~is_root).long()
+    # After k rounds, ancestor[u] is the 2^k-th ancestor of u (clamped at the root).
+    for _ in range(max(1, m.bit_length()) + 1):
+        reached = is_root[ancestor]
+        if bool(reached.all()):
+            break
+        depth = depth + torch.where(reached, 0, depth[ancestor])
+        ancestor = ancestor[ancestor]
+    if not bool(is_root[ancestor].all()):
+        on_cycle = int(ancestor[~is_root[ancestor]][0])
+        raise ValueError(
+            f"cycle: node {on_cycle} is its own ancestor (the parent links do not "
+            f"lead to a root)")
+    return depth
+
+
+def _next_power_of_two(x: Tensor) -> Tensor:
+    return torch.pow(2, torch.ceil(torch.log2(x.double()))).long()
+
+
+def _build(parent: Tensor) -> TreeStructure:
+    _check_parent(parent)
+    parent = parent.long()
+    device = parent.device
+    m = parent.numel()
+    depth = _depth_by_pointer_jumping(parent)
+
+    has_parent = parent >= 0
+    child_count = torch.bincount(parent[has_parent], minlength=m)
+    is_leaf = child_count == 0
+    leaves = is_leaf.nonzero().flatten()
+    internal = (~is_leaf).nonzero().flatten()
+    n, i = leaves.numel(), internal.numel()
+
+    # Internal nodes sorted by (depth, parent, index): levels and families contiguous.
+    key = depth[internal] * (m + 1) + (parent[internal] + 1)
+    internal = internal[torch.sort(key, stable=True).indices]
+    node_of_unified = torch.cat([leaves, internal])
+    unified_of_node = torch.empty_like(node_of_unified)
+    unified_of_node[node_of_unified] = torch.arange(m, device=device)
+
+    # Parents as internal rows; the null row ``i`` stands for "no parent".
+    parent_row = torch.full((m,), i, dtype=torch.long, device=device)
+    parent_row[has_parent] = unified_of_node[parent[has_parent]] - n
+    parent_row = parent_row[node_of_unified]
+    leaf_parent, internal_parent = parent_row[:n], parent_row[n:]
+    depth_u = depth[node_of_unified]
+
+    internal_depth = depth_u[n:]
+    max_depth = int(internal_depth.max()) if i else -1
+    level_counts = torch.bincount(internal_depth, minlength=max_depth + 1)
+    level_ptr = [0] + torch.cumsum(level_counts, 0).tolist()
+    # one past the deepest internal level hosts only leaves
+    level_ptr.append(level_ptr[-1])
+
+    # Leaf counts n(A), bottom-up one level at a time (levels, not nodes).
+    size = torch.zeros(i + 1, dtype=torch.float64, device=device)
+    size.index_add_(0, leaf_parent, torch.ones(n, dtype=torch.float64, device=device))
+    for d in range(max_depth, 0, -1):
+        lo, hi = level_ptr[d], level_ptr[d + 1]
+        size.index_add_(0, internal_parent[lo:hi], size[lo:hi].clone())
+    internal_size = size[:i]
+
+    # Trees are numbered by their roots' original index (= graph order in a PyG batch).
+    roots_u = (parent_row == i).nonzero().flatten()
+    root_rank = torch.argsort(torch.argsort(node_of_unified[roots_u]))
+    tree_of_root = torch.empty(m, dtype=torch.long, device=device)
+    tree_of_root[roots_u] = root_rank
+    # Each internal level inherits its parents' tree id; leaves read their parent's.
+    tree_int = torch.zeros(i + 1, dtype=torch.long, device=device)
+    internal_roots = roots_u[roots_u >= n]
+    tree_int[internal_roots - n] = tree_of_root[internal_roots]
+    for d in range(1, max_depth + 1):
+        lo, hi = level_ptr[d], level_ptr[d + 1]
+        tree_int[lo:hi] = tree_int[internal_parent[lo:hi]]
+    leaf_tree = tree_int[leaf_parent]
+    leaf_roots = roots_u[roots_u < n]
+    leaf_tree[leaf_roots] = tree_of_root[leaf_roots]
+
+    level_parent = [internal_parent[:0]] + [
+        internal_parent[level_ptr[d]:level_ptr[d + 1]] - level_ptr[d - 1]
+        for d in range(1, max_depth + 1)]
+    buckets = _family_buckets(parent_row, size, n, i, device)
+    return TreeStructure(
+        num_nodes=m, num_leaves=n, num_trees=int(roots_u.numel()),
+        node_of_unified=node_of_unified, unified_of_node=unified_of_node,
+        leaf_parent=leaf_parent, internal_parent=internal_parent,
+        leaf_size=torch.ones(n, dtype=torch.float64, device=device),
+        internal_size=internal_size, depth=depth_u, leaf_tree=leaf_tree,
+        level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
+        lonely_leaf=(torch.bincount(parent_row, minlength=i + 1)[leaf_parent] < 2)
+        .logical_or(leaf_parent == i).nonzero().flatten(),
+    )
+
+
+def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
+                    device: torch.device) -> List[FamilyBucket]:
+    m = parent_row.numel()
+    unified = torch.arange(m, device=device)
+    counts = torch.bincount(parent_row, minlength=i + 1)
+    counts[i] = 0  # roots are not a family
+    member = counts[parent_row] >= 2
+    members = unified[member]
+    fam = parent_row[member]
+    # Members sorted by (family, unified index): a family's members are contiguous.
+    order = torch.sort(fam * m + members).indices
+    members, fam = members[order], fam[order]
+    fam_sizes = counts[fam]
+    first = torch.ones_like(fam, dtype=torch.bool)
+    first[1:] = fam[1:] != fam[:-1]
+    start = torch.cummax(torch.where(first, torch.arange(fam.numel(), device=device), 0), 0).values
+    position = torch.arange(fam.numel(), device=device) - start
+    padded = _next_power_of_two(fam_sizes)
+    # Families made only of leaves get buckets of their own: in the common layout
+    # (leaf families contiguous in leaf order) such a bucket is a reshape of q, k, v.
+    internal_members = torch.zeros(i + 1, dtype=torch.long, device=device).index_add_(
+        0, fam, (members >= n).long())
+    bucket_key = padded * 2 + (internal_members[fam] == 0).long()
+
+    node_size = torch.cat([torch.ones(n, dtype=torch.float64, device=device), size[:i]])
+    buckets = []
+    for key in torch.unique(bucket_key).tolist():
+        b = key // 2
+        in_bucket = bucket_key == key
+        b_members, b_fam, b_pos = members[in_bucket], fam[in_bucket], position[in_bucket]
+        # families of this bucket, in order of their first member
+        fam_ids, fam_rank = torch.unique_consecutive(b_fam, return_inverse=True)
+        num_fam = fam_ids.numel()
+        slot = fam_rank * b + b_pos
+        log_size = torch.full((num_fam * b,), float("-inf"), dtype=torch.float64, device=device)
+        log_size[slot] = node_size[b_members].log()
+        is_leaf = b_members < n
+        leaf_slot, leaf_src = slot[is_leaf], b_members[is_leaf]
+        internal_slot, internal_src = slot[~is_leaf], b_members[~is_leaf] - n
+        leaf_range = internal_range = None
+        full = b_members.numel() == num_fam * b
+        if full and bool(is_leaf.all()) and _is_arange(leaf_src, leaf_slot):
+            leaf_range = (int(leaf_src[0]), int(leaf_src[0]) + num_fam * b)
+        if full and not bool(is_leaf.any()) and _is_arange(internal_src, internal_slot):
+            internal_range = (int(internal_src[0]), int(internal_src[0]) + num_fam * b)
+        buckets.append(FamilyBucket(
+            size=b, num_families=num_fam, parent=fam_ids,
+            leaf_slot=leaf_slot, leaf_src=leaf_src,
+            internal_slot=internal_slot, internal_src=internal_src,
+            log_size=log_size.view(num_fam, b),
+            leaf_range=leaf_range, internal_range=internal_range,
+        ))
+    return buckets
+
+
+def _is_arange(src: Tensor, slot: Tensor) -> bool:
+    """Whether ``src[slot order]`` is one contiguous run starting at ``src.min()``."""
+    if src.numel() == 0:
+        return False
+    return bool((src - src[0] == slot - slot[0]).all()) and bool((slot == torch.arange(
+        slot.numel(), device=slot.device)).all())

@@ -1,0 +1,712 @@
+"""Property tests of the fast HSA operator against the independent dense reference.
+
+The reference (tests/reference.py) is written from shared/SPEC.md section 2 only; the
+properties are those of SPEC section 3.  Only the public names of hsa_graph are used:
+NestedSignal.from_parents, hsa, hsa_weights, flatten (and PyG's Batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hsa_trees import (
+    concat_parents,
+    dfs_relabel,
+    insert_unary,
+    parent_arrays,
+    random_inputs,
+    relabel,
+)
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from reference import Tree, dense_hsa, dense_hsa_weights, flat_softmax_rows, kl_objective
+from torch_geometric.data import Batch
+
+import hsa_graph
+
+DT = torch.float64
+TOL = {"rtol": 1e-8, "atol": 1e-10}  # float64 comparisons
+
+SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+
+def make_tree(parent):
+    return hsa_graph.NestedSignal.from_parents(parent)
+
+
+# ----------------------------------------------------------------------------------------
+# Random cases
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    parent: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor | None
+    include_self: bool
+    scale: float | None
+
+    @property
+    def kw(self):
+        return {"include_self": self.include_self, "scale": self.scale, "pos": self.pos}
+
+    @property
+    def ref_tree(self):
+        return Tree(self.parent)
+
+
+@st.composite
+def cases(draw, max_nodes: int = 20, with_pos=None, dtype=DT):
+    parent = draw(parent_arrays(max_nodes))
+    tree = Tree(parent)
+    heads = draw(st.integers(1, 3))
+    d = draw(st.integers(1, 4))
+    dv = draw(st.integers(1, 4))
+    dv = 5 if dv == d else dv  # D != Dv
+    use_pos = draw(st.booleans()) if with_pos is None else with_pos
+    pos_dim = draw(st.integers(1, 3)) if use_pos else 0
+    per_head = draw(st.booleans()) if use_pos else False
+    q, k, v, pos = random_inputs(tree.num_leaves, tree.num_nodes, heads, d, dv,
+                                 seed=draw(st.integers(0, 2**31 - 1)), dtype=dtype,
+                                 pos_dim=pos_dim, pos_per_head=per_head)
+    return Case(parent, q, k, v, pos, draw(st.booleans()),
+                draw(st.sampled_from([None, None, 0.6])))
+
+
+def masked_attention(q, k, v, mask, scale=None):
+    """Softmax attention with a bool mask (True = may attend); rows with nothing to
+    attend to give 0.  Built on torch's SDPA."""
+    empty = ~mask.any(-1)
+    safe = mask | torch.diag(empty)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), attn_mask=safe, scale=scale)
+    return out.transpose(0, 1).masked_fill(empty[:, None, None], 0.0)
+
+
+def same_tree_mask(parent, include_self):
+    tid = torch.tensor(Tree(parent).tree_of_leaf)
+    mask = tid[:, None] == tid[None, :]
+    if not include_self:
+        mask &= ~torch.eye(len(tid), dtype=torch.bool)
+    return mask
+
+
+# ----------------------------------------------------------------------------------------
+# Agreement with the dense reference
+# ----------------------------------------------------------------------------------------
+
+
+def _single_node_case(include_self):
+    q, k, v, _ = random_inputs(1, 1, heads=1, d=2, dv=3, seed=0)
+    return Case([-1], q, k, v, None, include_self, None)
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(cases())
+@example(_single_node_case(True))
+@example(_single_node_case(False))
+def test_hsa_matches_reference(c):
+    y = hsa_graph.hsa(c.q, c.k, c.v, make_tree(c.parent), **c.kw)
+    assert y.shape == c.v.shape and y.dtype == DT
+    torch.testing.assert_close(y, dense_hsa(c.parent, c.q, c.k, c.v, **c.kw), **TOL)
+
+
+@settings(max_examples=50, **SETTINGS)
+@given(cases())
+def test_hsa_weights_matches_reference(c):
+    theta = hsa_graph.hsa_weights(c.q, c.k, make_tree(c.parent), **c.kw)
+    n, heads = c.q.shape[:2]
+    assert theta.shape == (heads, n, n)
+    torch.testing.assert_close(theta, dense_hsa_weights(c.parent, c.q, c.k, **c.kw), **TOL)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(cases())
+def test_hsa_equals_weights_times_v(c):
+    tree = make_tree(c.parent)
+    y = hsa_graph.hsa(c.q, c.k, c.v, tree, **c.kw)
+    theta = hsa_graph.hsa_weights(c.q, c.k, tree, **c.kw)
+    torch.testing.assert_close(y, torch.einsum("hij,jhd->ihd", theta, c.v), **TOL)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_two_dimensional_single_head_inputs(include_self):
+    parent = [-1, 0, 0, 0, 1, 1, 3, 3, 3]
+    q, k, v, pos = random_inputs(6, 9, heads=1, d=3, dv=2, seed=5, pos_dim=2)
+    tree = make_tree(parent)
+    kw = {"include_self": include_self, "pos": pos}
+    y2 = hsa_graph.hsa(q[:, 0], k[:, 0], v[:, 0], tree, **kw)
+    assert y2.shape == (6, 2)
+    torch.testing.assert_close(y2, hsa_graph.hsa(q, k, v, tree, **kw)[:, 0], **TOL)
+    torch.testing.assert_close(y2, dense_hsa(parent, q, k, v, **kw)[:, 0], **TOL)
+    theta2 = hsa_graph.hsa_weights(q[:, 0], k[:, 0], tree, **kw)
+    assert theta2.shape == (6, 6)
+    torch.testing.assert_close(theta2, dense_hsa_weights(parent, q, k, **kw)[0], **TOL)
+
+
+def test_parent_given_as_long_tensor():
+    parent = [-1, 0, 0, 1, 1]
+    q, k, v, _ = random_inputs(3, 5, heads=2, d=2, dv=3, seed=0)
+    y = hsa_graph.hsa(q, k, v, make_tree(torch.tensor(parent, dtype=torch.long)))
+    torch.testing.assert_close(y, dense_hsa(parent, q, k, v), **TOL)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_family_of_a_thousand_children(include_self):
+    """A root with 1000 children mixing leaves, small subtrees and unary wrappers."""
+    parent = [-1]
+    for i in range(1000):
+        top = len(parent)
+        parent.append(0)
+        if i % 50 == 0:  # unary node over a leaf
+            parent.append(top)
+        elif i % 7 == 0:  # a pair of leaves
+            parent += [top, top]
+    tree = Tree(parent)
+    q, k, v, pos = random_inputs(tree.num_leaves, tree.num_nodes, heads=2, d=4, dv=3,
+                                 seed=1000, pos_dim=2, pos_scale=0.3)
+    kw = {"include_self": include_self, "pos": pos}
+    theta_ref = dense_hsa_weights(parent, q, k, **kw)
+    sig = make_tree(parent)
+    theta = hsa_graph.hsa_weights(q, k, sig, **kw)
+    torch.testing.assert_close(theta, theta_ref, **TOL)
+    y = hsa_graph.hsa(q, k, v, sig, **kw)
+    torch.testing.assert_close(y, torch.einsum("hij,jhd->ihd", theta_ref, v), **TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# Property 1: a flat tree is softmax attention
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("n,heads,root", [(2, 1, 0), (5, 3, 0), (9, 2, 4), (1000, 2, 0)])
+def test_flat_tree_is_sdpa(include_self, scale, n, heads, root):
+    parent = [root] * (n + 1)
+    parent[root] = -1
+    q, k, v, _ = random_inputs(n, n + 1, heads=heads, d=4, dv=6, seed=n)
+    mask = None if include_self else ~torch.eye(n, dtype=torch.bool)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                              v.transpose(0, 1), attn_mask=mask,
+                                              scale=scale).transpose(0, 1)
+    tree = make_tree(parent)
+    y = hsa_graph.hsa(q, k, v, tree, include_self=include_self, scale=scale)
+    torch.testing.assert_close(y, expected, **TOL)
+    theta = hsa_graph.hsa_weights(q, k, tree, include_self=include_self, scale=scale)
+    s = 1 / math.sqrt(4) if scale is None else scale
+    logits = s * torch.einsum("ihd,jhd->hij", q, k)
+    if not include_self:
+        logits = logits.masked_fill(torch.eye(n, dtype=torch.bool), float("-inf"))
+    torch.testing.assert_close(theta, torch.softmax(logits, -1), **TOL)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(cases(with_pos=False))
+def test_flatten_gives_softmax_attention_per_tree(c):
+    tree = make_tree(c.parent)
+    flat = hsa_graph.flatten(tree)
+    y = hsa_graph.hsa(c.q, c.k, c.v, flat, include_self=c.include_self, scale=c.scale)
+    expected = masked_attention(c.q, c.k, c.v, same_tree_mask(c.parent, c.include_self),
+                                scale=c.scale)
+    torch.testing.assert_close(y, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# Property 2: rows are stochastic; property 3: block constraint
+# ----------------------------------------------------------------------------------------
+
+
+def single_leaf_rows(parent):
+    tree = Tree(parent)
+    counts: dict[int, int] = {}
+    for t in tree.tree_of_leaf:
+        counts[t] = counts.get(t, 0) + 1
+    return torch.tensor([counts[t] == 1 for t in tree.tree_of_leaf], dtype=torch.bool)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases())
+def test_rows_are_stochastic(c):
+    tree = make_tree(c.parent)
+    theta = hsa_graph.hsa_weights(c.q, c.k, tree, **c.kw)
+    expected = torch.ones(theta.shape[:2], dtype=DT)
+    if not c.include_self:  # the exception: a single-leaf tree without self
+        lone = single_leaf_rows(c.parent)
+        expected[:, lone] = 0.0
+        y = hsa_graph.hsa(c.q, c.k, c.v, tree, **c.kw)
+        torch.testing.assert_close(y[lone], torch.zeros_like(y[lone]), **TOL)
+    assert (theta >= 0).all()
+    torch.testing.assert_close(theta.sum(-1), expected, **TOL)
+
+
+@pytest.mark.parametrize("parent", [[-1], [-1, 0], [-1, 0, 1, 2, 3], [1, -1]])
+def test_single_leaf_tree(parent):
+    q, k, v, pos = random_inputs(1, len(parent), heads=2, d=3, dv=2, seed=0, pos_dim=2)
+    tree = make_tree(parent)
+    for p in (None, pos):
+        y = hsa_graph.hsa(q, k, v, tree, include_self=False, pos=p)
+        torch.testing.assert_close(y, torch.zeros_like(v), **TOL)
+        theta = hsa_graph.hsa_weights(q, k, tree, include_self=False, pos=p)
+        torch.testing.assert_close(theta, torch.zeros(2, 1, 1, dtype=DT), **TOL)
+        y = hsa_graph.hsa(q, k, v, tree, include_self=True, pos=p)
+        torch.testing.assert_close(y, v, **TOL)
+        theta = hsa_graph.hsa_weights(q, k, tree, include_self=True, pos=p)
+        torch.testing.assert_close(theta, torch.ones(2, 1, 1, dtype=DT), **TOL)
+
+
+def test_single_leaf_trees_inside_a_forest():
+    parent = [-1, -1, 1, 1, -1, 4]  # single node | two leaves | unary root over a leaf
+    q, k, v, _ = random_inputs(4, 6, heads=1, d=2, dv=2, seed=3)
+    y = hsa_graph.hsa(q, k, v, make_tree(parent), include_self=False)
+    expected = torch.zeros_like(v)
+    expected[1], expected[2] = v[2], v[1]
+    torch.testing.assert_close(y, expected, **TOL)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases())
+def test_block_constraint_and_no_attention_across_trees(c):
+    theta = hsa_graph.hsa_weights(c.q, c.k, make_tree(c.parent), **c.kw)
+    tree = c.ref_tree
+    for p in range(tree.num_nodes):
+        for a in tree.children[p]:
+            for b in tree.children[p]:
+                if a != b:
+                    block = theta[:, tree.leaf_rows[a]][:, :, tree.leaf_rows[b]]
+                    torch.testing.assert_close(block, block[:, :1, :1].expand_as(block),
+                                               **TOL)
+    tid = torch.tensor(tree.tree_of_leaf)
+    across = tid[:, None] != tid[None, :]
+    assert (theta[:, across] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------
+# Property 4: KL optimality inside every family
+# ----------------------------------------------------------------------------------------
+
+
+def perturb_family(theta, tree: Tree, p: int, gen, strength: float):
+    """A feasible perturbation of theta inside the family of node p.
+
+    For every child A of p and every head, the mass of A's rows inside l(p) is split
+    as [inside A, block (A, B) for each sibling B]; that split is moved at random
+    (same total, zeros stay zero).  The inside-A block is scaled as a whole and each
+    (A, B) block is set to a new constant, so row sums and the block constraint are
+    kept."""
+    out = theta.clone()
+    chd = tree.children[p]
+    for a in chd:
+        rows = torch.tensor(tree.leaf_rows[a])
+        sibs = [b for b in chd if b != a]
+        r0 = tree.leaf_rows[a][0]
+        for h in range(theta.shape[0]):
+            inside = theta[h, r0, rows].sum()
+            parts = [inside] + [theta[h, r0, tree.leaf_rows[b]].sum() for b in sibs]
+            w = torch.stack(parts)
+            total = w.sum()
+            if total <= 0:
+                continue
+            noise = torch.randn(len(w), generator=gen, dtype=theta.dtype)
+            w_new = w * torch.exp(strength * noise)
+            w_new = w_new / w_new.sum() * total
+            if inside > 0:
+                out[h, rows[:, None], rows[None, :]] *= w_new[0] / inside
+            for b, wb in zip(sibs, w_new[1:]):
+                cols = torch.tensor(tree.leaf_rows[b])
+                out[h, rows[:, None], cols[None, :]] = wb / len(cols)
+    return out
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(cases(max_nodes=14), st.integers(0, 2**31 - 1))
+def test_kl_optimality_within_every_family(c, seed):
+    theta = hsa_graph.hsa_weights(c.q, c.k, make_tree(c.parent), **c.kw)
+    flat = flat_softmax_rows(c.parent, c.q, c.k, c.include_self, c.scale, c.pos)
+    kl0 = kl_objective(theta, flat)
+    assert torch.isfinite(kl0)
+    tree = c.ref_tree
+    gen = torch.Generator().manual_seed(seed)
+    for p in range(tree.num_nodes):
+        if len(tree.children[p]) < 2:
+            continue
+        for strength in (1e-2, 1e-1, 0.5, 2.0):
+            other = perturb_family(theta, tree, p, gen, strength)
+            torch.testing.assert_close(other.sum(-1), theta.sum(-1), **TOL)
+            kl1 = kl_objective(other, flat)
+            assert kl1 >= kl0 - 1e-10 * (1 + kl0), (p, strength, float(kl0), float(kl1))
+
+
+def test_kl_perturbation_is_not_vacuous():
+    """The perturbation used above does raise the KL of the optimum (sanity check)."""
+    parent = [-1, 0, 0, 0, 1, 1, 2, 2, 2]
+    q, k, _, _ = random_inputs(6, 9, heads=1, d=3, dv=1, seed=2)
+    theta = dense_hsa_weights(parent, q, k)
+    flat = flat_softmax_rows(parent, q, k)
+    kl0 = kl_objective(theta, flat)
+    gen = torch.Generator().manual_seed(0)
+    for p in (0, 1, 2):
+        kl1 = kl_objective(perturb_family(theta, Tree(parent), p, gen, 0.1), flat)
+        assert kl1 > kl0 + 1e-6
+
+
+# ----------------------------------------------------------------------------------------
+# Property 5: unary nodes are transparent
+# ----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases(), st.data())
+def test_unary_nodes_are_transparent(c, data):
+    u = data.draw(st.integers(0, len(c.parent) - 1), label="insert above node")
+    sigma = data.draw(st.permutations(range(len(c.parent) + 1)), label="relabel")
+    parent = insert_unary(c.parent, u)
+    pos = None if c.pos is None else torch.cat([c.pos, c.pos[u:u + 1]])  # eps(new) = eps(u)
+    if data.draw(st.booleans(), label="shuffle ids"):
+        parent, perm = relabel(parent, list(sigma))
+        inv = torch.empty(len(sigma), dtype=torch.long)
+        inv[torch.tensor(sigma)] = torch.arange(len(sigma))
+        pos = None if pos is None else pos[inv]
+    else:
+        perm = list(range(len(c.q)))
+    kw = {**c.kw, "pos": pos}
+    tree = make_tree(c.parent)
+    y = hsa_graph.hsa(c.q, c.k, c.v, tree, **c.kw)
+    y_u = hsa_graph.hsa(c.q[perm], c.k[perm], c.v[perm], make_tree(parent), **kw)
+    torch.testing.assert_close(y_u, y[perm], **TOL)
+    theta = hsa_graph.hsa_weights(c.q, c.k, tree, **c.kw)
+    theta_u = hsa_graph.hsa_weights(c.q[perm], c.k[perm], make_tree(parent), **kw)
+    torch.testing.assert_close(theta_u, theta[:, perm][:, :, perm], **TOL)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_deep_unary_chain_equals_direct_parent(include_self):
+    parent = [-1, 0, 0, 1, 1]
+    chain = [-1] + list(range(0, 49))  # 50 unary nodes, node 49 at the bottom
+    deep = chain + [49, 49, 50, 50]  # same shape as `parent` below the chain
+    q, k, v, _ = random_inputs(3, 5, heads=2, d=2, dv=3, seed=9)
+    expected = hsa_graph.hsa(q, k, v, make_tree(parent), include_self=include_self)
+    got = hsa_graph.hsa(q, k, v, make_tree(deep), include_self=include_self)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# Property 6: permutation equivariance (set geometry, no positions)
+# ----------------------------------------------------------------------------------------
+
+
+def _relabelled(c: Case, sigma):
+    parent, perm = relabel(c.parent, list(sigma))
+    pos = None
+    if c.pos is not None:
+        inv = torch.empty(len(sigma), dtype=torch.long)
+        inv[torch.tensor(sigma)] = torch.arange(len(sigma))
+        pos = c.pos[inv]  # pos of new node w is pos of old node inv[w]
+    return parent, perm, pos
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases(), st.data())
+def test_node_relabelling_is_equivariant(c, data):
+    sigma = data.draw(st.permutations(range(len(c.parent))), label="sigma")
+    parent, perm, pos = _relabelled(c, sigma)
+    kw = {**c.kw, "pos": pos}
+    y = hsa_graph.hsa(c.q, c.k, c.v, make_tree(c.parent), **c.kw)
+    y_p = hsa_graph.hsa(c.q[perm], c.k[perm], c.v[perm], make_tree(parent), **kw)
+    torch.testing.assert_close(y_p, y[perm], **TOL)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(cases(with_pos=False), st.data())
+def test_permuting_children_of_a_set_node(c, data):
+    tree = c.ref_tree
+    internal = [p for p in range(tree.num_nodes) if len(tree.children[p]) >= 2]
+    if not internal:
+        return
+    p = data.draw(st.sampled_from(internal), label="node")
+    order = data.draw(st.permutations(tree.children[p]), label="children order")
+    base = dfs_relabel(c.parent)  # children in id order
+    moved = dfs_relabel(c.parent, {p: list(order)})
+    parent0, perm0 = relabel(c.parent, base)
+    parent1, perm1 = relabel(c.parent, moved)
+    y0 = hsa_graph.hsa(c.q[perm0], c.k[perm0], c.v[perm0], make_tree(parent0), **c.kw)
+    y1 = hsa_graph.hsa(c.q[perm1], c.k[perm1], c.v[perm1], make_tree(parent1), **c.kw)
+    # row r of y1 is original leaf perm1[r]; find it in y0
+    where0 = {old: r for r, old in enumerate(perm0)}
+    torch.testing.assert_close(y1, y0[[where0[old] for old in perm1]], **TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# Property 7: trees in a batch are independent
+# ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def tree_lists(draw):
+    n = draw(st.integers(2, 4))
+    heads = draw(st.integers(1, 3))
+    d, dv = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    use_pos = draw(st.booleans())
+    items = []
+    for _ in range(n):
+        parent = draw(parent_arrays(12))
+        t = Tree(parent)
+        items.append((parent, *random_inputs(t.num_leaves, t.num_nodes, heads, d, dv,
+                                             seed=draw(st.integers(0, 2**31 - 1)),
+                                             pos_dim=2 if use_pos else 0)))
+    return items, draw(st.booleans()), draw(st.permutations(range(n)))
+
+
+def _run_batch(items, order, include_self):
+    chosen = [items[i] for i in order]
+    batch = Batch.from_data_list([make_tree(it[0]) for it in chosen])
+    cat = [torch.cat([it[j] for it in chosen]) for j in (1, 2, 3)]
+    pos = None if chosen[0][4] is None else torch.cat([it[4] for it in chosen])
+    y = hsa_graph.hsa(*cat, batch, include_self=include_self, pos=pos)
+    theta = hsa_graph.hsa_weights(cat[0], cat[1], batch, include_self=include_self, pos=pos)
+    out, off = {}, 0
+    for i, it in zip(order, chosen):
+        n = len(it[1])
+        out[i] = (y[off:off + n], theta[:, off:off + n, off:off + n])
+        off += n
+    return out, y, theta, cat, pos
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(tree_lists())
+def test_trees_in_a_batch_are_independent(arg):
+    items, include_self, order = arg
+    alone = {}
+    for i, (parent, q, k, v, pos) in enumerate(items):
+        tree = make_tree(parent)
+        alone[i] = (hsa_graph.hsa(q, k, v, tree, include_self=include_self, pos=pos),
+                    hsa_graph.hsa_weights(q, k, tree, include_self=include_self, pos=pos))
+    for ordering in (list(range(len(items))), list(order), list(order)[1:]):
+        parts, y, theta, cat, pos = _run_batch(items, ordering, include_self)
+        for i, (y_i, theta_i) in parts.items():
+            torch.testing.assert_close(y_i, alone[i][0], **TOL)
+            torch.testing.assert_close(theta_i, alone[i][1], **TOL)
+        # the batch is exactly the forest of the concatenated parent arrays
+        forest = concat_parents([items[i][0] for i in ordering])
+        torch.testing.assert_close(
+            y, dense_hsa(forest, cat[0], cat[1], cat[2], include_self=include_self,
+                         pos=pos), **TOL)
+        sizes = [len(items[i][1]) for i in ordering]
+        assert (theta.sum(0) * (1 - torch.block_diag(*[torch.ones(s, s) for s in sizes])
+                                .to(DT)) == 0).all()
+
+
+# ----------------------------------------------------------------------------------------
+# Property 8: gradients are exact
+# ----------------------------------------------------------------------------------------
+
+GRAD_TREES = [
+    [-1, 0, 0, 0],
+    [-1, 0, 0, 1, 1, 2, 2, 2],
+    [-1, 0, 1, 1, 0, 4, 0],  # leaf 6 next to unary 4 over leaf 5
+    [-1, 0, 0, 1, 1, -1, 5, 5],  # a forest
+    [-1, 0],  # a single leaf under a root
+]
+
+
+GRADCHECK_CASES = [(p, kind) for p in GRAD_TREES for kind in (None, "per_head")] + [
+    (GRAD_TREES[1], "shared"), (GRAD_TREES[2], "shared")]
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("parent,pos_kind", GRADCHECK_CASES)
+def test_gradcheck(parent, include_self, pos_kind):
+    t = Tree(parent)
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=2, dv=3, seed=11,
+                                 pos_dim=2 if pos_kind else 0,
+                                 pos_per_head=pos_kind == "per_head")
+    tree = make_tree(parent)
+    inputs = [x.requires_grad_(True) for x in (q, k, v) + ((pos,) if pos_kind else ())]
+
+    def f(q, k, v, pos=None):
+        return hsa_graph.hsa(q, k, v, tree, include_self=include_self, pos=pos)
+
+    def g(q, k, v, pos=None):
+        return hsa_graph.hsa_weights(q, k, tree, include_self=include_self, pos=pos)
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradcheck(g, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def _grads(out, inputs):
+    """Gradients of a scalar, zeros where it does not depend on an input (a constant
+    output, e.g. a single leaf without self, may carry no autograd graph)."""
+    if not out.requires_grad:
+        return [torch.zeros_like(x) for x in inputs]
+    return torch.autograd.grad(out, inputs, allow_unused=True)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases(), st.integers(0, 2**31 - 1))
+def test_gradients_match_reference(c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [c.q, c.k, c.v] + ([c.pos] if c.pos is not None else [])
+    inputs = [x.clone().requires_grad_(True) for x in inputs]
+    tree = make_tree(c.parent)
+    w = torch.randn(c.v.shape, generator=gen, dtype=DT)
+    q, k, v = inputs[:3]
+    kw = {**c.kw, "pos": inputs[3] if c.pos is not None else None}
+    y = hsa_graph.hsa(q, k, v, tree, **kw)
+    y_ref = dense_hsa(c.parent, q, k, v, **kw)
+    got, expected = _grads((w * y).sum(), inputs), _grads((w * y_ref).sum(), inputs)
+    for name, a, b, x in zip("qkvp", got, expected, inputs):
+        a = torch.zeros_like(x) if a is None else a
+        b = torch.zeros_like(x) if b is None else b
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+# ----------------------------------------------------------------------------------------
+# Property 9: numerical stability
+# ----------------------------------------------------------------------------------------
+
+STABILITY_TREES = [
+    [-1] + [0] * 40,
+    [-1, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 9, 9, 0, 15, 16, 16],
+    [-1, 0, 1, 2, 2, 2, 0, 6, 6, -1, 9, 9, 11, 11, 11],
+]
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("parent", STABILITY_TREES)
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_large_logits_float32(parent, include_self, with_pos):
+    t = Tree(parent)
+    d = 16
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=d, dv=3, seed=4,
+                                 dtype=torch.float32, pos_dim=3 if with_pos else 0,
+                                 pos_scale=60.0)
+    q, k = 100 * q, 100 * k
+    logits = torch.einsum("ihd,jhd->hij", q, k) / math.sqrt(d)
+    assert logits.abs().max() > 5e3  # logits of magnitude ~1e4
+    kw = {"include_self": include_self, "pos": pos}
+    tree = make_tree(parent)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    y = hsa_graph.hsa(q, k, v, tree, **kw)
+    theta = hsa_graph.hsa_weights(q, k, tree, **kw)
+    assert y.dtype == torch.float32
+    assert torch.isfinite(y).all() and torch.isfinite(theta).all()
+    kw64 = {"include_self": include_self, "pos": None if pos is None else pos.double()}
+    q64, k64, v64 = q.detach().double(), k.detach().double(), v.double()
+    torch.testing.assert_close(y.detach().double(), dense_hsa(parent, q64, k64, v64, **kw64),
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(theta.detach().double(),
+                               dense_hsa_weights(parent, q64, k64, **kw64),
+                               rtol=1e-2, atol=1e-2)
+    gq, gk = torch.autograd.grad(y.square().sum(), (q, k))
+    assert torch.isfinite(gq).all() and torch.isfinite(gk).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_half_precision_inputs(dtype, tol, include_self):
+    parent = STABILITY_TREES[1]
+    t = Tree(parent)
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=8, dv=4, seed=6,
+                                 dtype=torch.float32, pos_dim=2)
+    q, k, v, pos = (x.to(dtype) for x in (q, k, v, pos))
+    tree = make_tree(parent)
+    kw = {"include_self": include_self}
+    y = hsa_graph.hsa(q, k, v, tree, pos=pos, **kw)
+    assert torch.isfinite(y.float()).all()
+    y32 = hsa_graph.hsa(q.float(), k.float(), v.float(), tree, pos=pos.float(), **kw)
+    torch.testing.assert_close(y.float(), y32, rtol=tol, atol=tol)
+    theta = hsa_graph.hsa_weights(q, k, tree, pos=pos, **kw)
+    theta32 = hsa_graph.hsa_weights(q.float(), k.float(), tree, pos=pos.float(), **kw)
+    torch.testing.assert_close(theta.float(), theta32, rtol=tol, atol=tol)
+    # backward works and is finite
+    qq = q.clone().requires_grad_(True)
+    (gq,) = torch.autograd.grad(hsa_graph.hsa(qq, k, v, tree, pos=pos, **kw).float().sum(),
+                                (qq,))
+    assert torch.isfinite(gq.float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, DT])
+def test_output_dtype_follows_input(dtype):
+    q, k, v, _ = random_inputs(3, 4, heads=1, d=2, dv=2, seed=0, dtype=dtype)
+    tree = make_tree([-1, 0, 0, 0])
+    assert hsa_graph.hsa(q, k, v, tree).dtype == dtype
+    assert hsa_graph.hsa_weights(q, k, tree).dtype == dtype
+
+
+# ----------------------------------------------------------------------------------------
+# Invalid input
+# ----------------------------------------------------------------------------------------
+
+_P = [-1, 0, 0, 0, 1, 1]  # 4 leaves (2, 3, 4, 5), 6 nodes
+
+
+def _good(heads=2, d=3, dv=5):
+    q, k, v, _ = random_inputs(4, 6, heads=heads, d=d, dv=dv, seed=0)
+    return q, k, v
+
+
+@pytest.mark.parametrize("what", [
+    "q_rows", "k_rows", "v_rows", "k_heads", "v_heads", "k_dim", "q_2d_k_3d",
+    "v_2d", "q_1d",
+])
+def test_bad_qkv_raise_value_error(what):
+    q, k, v = _good()
+    bad = {
+        "q_rows": lambda: (torch.cat([q, q[:1]]), k, v),
+        "k_rows": lambda: (q, k[:3], v),
+        "v_rows": lambda: (q, k, torch.cat([v, v[:1]])),
+        "k_heads": lambda: (q, torch.cat([k, k[:, :1]], 1), v),
+        "v_heads": lambda: (q, k, v[:, :1]),
+        "k_dim": lambda: (q, k[..., :2], v),
+        "q_2d_k_3d": lambda: (q[:, 0], k, v),
+        "v_2d": lambda: (q, k, v[:, 0]),
+        "q_1d": lambda: (q[:, 0, 0], k[:, 0, 0], v[:, 0, 0]),
+    }[what]
+    qq, kk, vv = bad()
+    tree = make_tree(_P)
+    with pytest.raises(ValueError):
+        hsa_graph.hsa(qq, kk, vv, tree)
+    if what.startswith(("q", "k")):
+        with pytest.raises(ValueError):
+            hsa_graph.hsa_weights(qq, kk, tree)
+
+
+@pytest.mark.parametrize("shape", [
+    (5, 2),  # one row short of the node count
+    (4, 2),  # one row per leaf instead of per node
+    (7, 2),
+    (6,),  # 1-D
+    (6, 3, 2),  # per-head with the wrong head count (H = 2)
+    (6, 2, 2, 2),  # 4-D
+])
+def test_bad_pos_raises_value_error(shape):
+    q, k, v = _good()
+    pos = torch.randn(*shape, dtype=DT)
+    tree = make_tree(_P)
+    with pytest.raises(ValueError):
+        hsa_graph.hsa(q, k, v, tree, pos=pos)
+    with pytest.raises(ValueError):
+        hsa_graph.hsa_weights(q, k, tree, pos=pos)
+
+
+@pytest.mark.parametrize("parent", [
+    [0],  # self loop, no root
+    [1, 0],  # a cycle, no root
+    [-1, 0, 3, 2],  # a root plus a detached cycle
+    [-1, 6],  # parent index out of range
+    [-1, -2],  # negative index other than -1
+])
+def test_bad_parent_arrays_raise_value_error(parent):
+    with pytest.raises(ValueError):
+        make_tree(parent)

@@ -1,0 +1,485 @@
+"""Tests of hsa_graph/structure.py: the TreeStructure layout (unified numbering, levels,
+leaf counts, families and buckets) and its reductions, checked against brute force on
+hand-made and random forests; caching on NestedSignal; scale."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch_geometric.data import Batch
+
+from hsa_graph import FamilyBucket, NestedSignal, TreeStructure
+
+DT = torch.float64
+
+
+# ----------------------------------------------------------------------------------------
+# brute force on plain parent lists
+# ----------------------------------------------------------------------------------------
+
+
+class Brute:
+    """Everything about a forest computed the slow, obvious way."""
+
+    def __init__(self, parent: list[int]):
+        self.parent = list(parent)
+        m = self.m = len(parent)
+        self.children = [[] for _ in range(m)]
+        for u, p in enumerate(parent):
+            if p >= 0:
+                self.children[p].append(u)
+        self.leaves = [u for u in range(m) if not self.children[u]]
+        self.internal = [u for u in range(m) if self.children[u]]
+        self.roots = [u for u in range(m) if parent[u] < 0]
+        self.depth = [self._depth(u) for u in range(m)]
+        self.root_of = [self._root(u) for u in range(m)]
+        self.leaf_row = {u: r for r, u in enumerate(self.leaves)}
+
+    def _depth(self, u):
+        d = 0
+        while self.parent[u] >= 0:
+            u = self.parent[u]
+            d += 1
+        return d
+
+    def _root(self, u):
+        while self.parent[u] >= 0:
+            u = self.parent[u]
+        return u
+
+    def ancestors(self, u):
+        """u and everything above it."""
+        out = [u]
+        while self.parent[u] >= 0:
+            u = self.parent[u]
+            out.append(u)
+        return out
+
+    def leaves_under(self, a):
+        return [u for u in self.leaves if a in self.ancestors(u)]
+
+    def n(self, a):
+        return len(self.leaves_under(a))
+
+
+def random_forest(rng_draw, m: int, root_prob: float) -> list[int]:
+    """A random forest on m nodes: node k of a random order hangs under an earlier
+    one (or is a root); labels are then shuffled so parents need not precede."""
+    order_parent = [-1]
+    for k in range(1, m):
+        order_parent.append(-1 if rng_draw.random() < root_prob else rng_draw.randrange(k))
+    label = list(range(m))
+    rng_draw.shuffle(label)
+    parent = [-1] * m
+    for k, p in enumerate(order_parent):
+        parent[label[k]] = -1 if p < 0 else label[p]
+    return parent
+
+
+# ----------------------------------------------------------------------------------------
+# the full invariant check
+# ----------------------------------------------------------------------------------------
+
+
+def check_structure(parent: list[int], s: TreeStructure) -> None:
+    b = Brute(parent)
+    m, n, i = b.m, len(b.leaves), len(b.internal)
+    assert (s.num_nodes, s.num_leaves, s.num_internal, s.num_trees) == (m, n, i, len(b.roots))
+
+    # unified numbering: leaves first in node order, internal by (depth, parent, index)
+    nou = s.node_of_unified.tolist()
+    assert nou[:n] == b.leaves
+    assert nou[n:] == sorted(b.internal, key=lambda u: (b.depth[u], b.parent[u], u))
+    assert sorted(nou) == list(range(m))
+    assert s.unified_of_node[s.node_of_unified].tolist() == list(range(m))
+
+    # depth of every unified node
+    assert s.depth.tolist() == [b.depth[u] for u in nou]
+
+    # parents as internal rows (null row i for roots)
+    row_of = {u: r for r, u in enumerate(nou[n:])}
+    assert s.leaf_parent.tolist() == [row_of[b.parent[u]] if b.parent[u] >= 0 else i
+                                      for u in b.leaves]
+    assert s.internal_parent.tolist() == [row_of[b.parent[u]] if b.parent[u] >= 0 else i
+                                          for u in nou[n:]]
+    pu = s.parent_unified().tolist()
+    assert [nou[p] if p >= 0 else -1 for p in pu] == [b.parent[u] for u in nou]
+
+    # leaf counts n(A)
+    assert s.leaf_size.tolist() == [1.0] * n
+    assert s.internal_size.dtype == DT
+    assert s.internal_size.tolist() == [float(b.n(u)) for u in nou[n:]]
+
+    # levels: level_ptr[d]:level_ptr[d+1] are exactly the internal nodes of depth d
+    max_depth = max((b.depth[u] for u in b.internal), default=-1)
+    assert s.max_depth == max_depth
+    ptr = s.level_ptr
+    assert len(ptr) == max_depth + 3
+    assert ptr[0] == 0 and ptr[-1] == ptr[-2] == i
+    for d in range(max_depth + 1):
+        assert set(nou[n + ptr[d]:n + ptr[d + 1]]) == {u for u in b.internal if b.depth[u] == d}
+    assert len(s.level_parent) == max(max_depth, 0) + 1
+    assert s.level_parent[0].numel() == 0
+    for d in range(1, max_depth + 1):
+        rows = range(ptr[d], ptr[d + 1])
+        expected = [row_of[b.parent[nou[n + r]]] - ptr[d - 1] for r in rows]
+        assert s.level_parent[d].tolist() == expected
+        assert all(0 <= e < ptr[d] - ptr[d - 1] for e in expected)
+
+    # trees numbered by their roots' node index
+    rank = {r: k for k, r in enumerate(sorted(b.roots))}
+    assert s.leaf_tree.tolist() == [rank[b.root_of[u]] for u in b.leaves]
+
+    # families with >= 2 members: each in exactly one bucket, with the right members
+    families = {p: kids for p, kids in enumerate(b.children) if len(kids) >= 2}
+    seen = {}
+    for bucket in s.buckets:
+        assert isinstance(bucket, FamilyBucket)
+        size, f = bucket.size, bucket.num_families
+        assert size >= 2 and size & (size - 1) == 0  # a power of two
+        assert bucket.log_size.shape == (f, size)
+        slot_member = {}
+        for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):
+            slot_member[slot] = nou[src]
+        for slot, src in zip(bucket.internal_slot.tolist(), bucket.internal_src.tolist()):
+            assert slot not in slot_member
+            slot_member[slot] = nou[n + src]
+        assert all(0 <= slot < f * size for slot in slot_member)
+        log_size = bucket.log_size.flatten().tolist()
+        for fam in range(f):
+            members = [slot_member[fam * size + k] for k in range(size)
+                       if fam * size + k in slot_member]
+            # members fill the first slots, padding after them
+            assert all(fam * size + k in slot_member for k in range(len(members)))
+            assert len(members) >= 2
+            parents = {b.parent[u] for u in members}
+            assert len(parents) == 1
+            p = parents.pop()
+            assert nou[n + int(bucket.parent[fam])] == p
+            assert p not in seen, f"family of node {p} in two buckets"
+            seen[p] = members
+            assert sorted(members) == families[p]
+            # padded size: the next power of two
+            assert size == 2 ** math.ceil(math.log2(len(members)))
+            for k in range(size):
+                value = log_size[fam * size + k]
+                if k < len(members):
+                    assert value == pytest.approx(math.log(b.n(members[k])))
+                else:
+                    assert value == float("-inf")
+        # fast paths agree with the slot lists
+        if bucket.leaf_range is not None:
+            lo, hi = bucket.leaf_range
+            assert hi - lo == f * size and bucket.internal_slot.numel() == 0
+            assert bucket.leaf_src.tolist() == [lo + slot for slot in bucket.leaf_slot.tolist()]
+        if bucket.internal_range is not None:
+            lo, hi = bucket.internal_range
+            assert hi - lo == f * size and bucket.leaf_slot.numel() == 0
+            assert bucket.internal_src.tolist() == [lo + slot
+                                                    for slot in bucket.internal_slot.tolist()]
+    assert set(seen) == set(families)
+    assert s.num_families == len(families)
+    assert s.num_attention_weights == sum(len(k) ** 2 - len(k) for k in families.values())
+
+    # gather_bucket / scatter_buckets against the slot lists
+    leaf_ids = torch.arange(n, dtype=DT).unsqueeze(1) + 1
+    internal_ids = -(torch.arange(i, dtype=DT).unsqueeze(1) + 1)
+    gathered = []
+    for bucket in s.buckets:
+        g = s.gather_bucket(bucket, leaf_ids, internal_ids)
+        assert g.shape == (bucket.num_families, bucket.size, 1)
+        flat = g.reshape(-1).tolist()
+        expected = [0.0] * (bucket.num_families * bucket.size)
+        for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):
+            expected[slot] = float(src + 1)
+        for slot, src in zip(bucket.internal_slot.tolist(), bucket.internal_src.tolist()):
+            expected[slot] = float(-(src + 1))
+        assert flat == expected
+        gathered.append(g.reshape(-1, 1))
+    like = torch.zeros(1, 1, dtype=DT)
+    leaf_rows = s.scatter_leaves(gathered, 0.5, like)
+    internal_rows = s.scatter_internal(gathered, 0.5, like)
+    in_family = {u for kids in families.values() for u in kids}
+    assert leaf_rows.reshape(-1).tolist() == [float(r + 1) if u in in_family else 0.5
+                                              for r, u in enumerate(b.leaves)]
+    assert internal_rows.shape == (i + 1, 1)
+    assert internal_rows.reshape(-1).tolist() == [
+        float(-(r + 1)) if u in in_family else 0.5 for r, u in enumerate(nou[n:])] + [0.5]
+    assert s.lonely_leaf.tolist() == [r for r, u in enumerate(b.leaves) if u not in in_family]
+    whole = s.whole_leaf_bucket
+    if whole is not None:
+        assert s.buckets[whole].leaf_range == (0, n)
+
+    # reductions
+    torch.manual_seed(len(parent))
+    values = torch.randn(n, 2, 3, dtype=DT)
+    sums = s.subtree_sum(values)
+    assert sums.shape == (i + 1, 2, 3)
+    expected = torch.stack([values[[b.leaf_row[v] for v in b.leaves_under(u)]].sum(0)
+                            for u in nou[n:]] + [torch.zeros(2, 3, dtype=DT)])
+    # rows of the internal nodes (the null row is checked in test_null_row_is_zero)
+    torch.testing.assert_close(sums[:i], expected[:i], rtol=1e-12, atol=1e-12)
+    means = s.subtree_mean(values)
+    sizes = torch.tensor([b.n(u) for u in nou[n:]] + [1], dtype=DT).view(-1, 1, 1)
+    torch.testing.assert_close(means[:i], (expected / sizes)[:i], rtol=1e-12, atol=1e-12)
+    direct = s.to_internal(values)
+    assert direct.shape == (i + 1, 2, 3)
+    expected_direct = torch.zeros(i + 1, 2, 3, dtype=DT)
+    for r, u in enumerate(b.leaves):
+        if b.parent[u] >= 0:
+            expected_direct[row_of[b.parent[u]]] += values[r]
+    torch.testing.assert_close(direct[:i], expected_direct[:i], rtol=1e-12, atol=1e-12)
+
+    delta = torch.randn(i + 1, 4, dtype=DT)
+    got = s.path_sum(delta)
+    assert got.shape == (i + 1, 4)
+    rows = []
+    for u in nou[n:]:
+        acc = torch.zeros(4, dtype=DT)
+        for a in b.ancestors(u):
+            if b.parent[a] >= 0:  # value(root) = 0: the root's delta is not added
+                acc = acc + delta[row_of[a]]
+        rows.append(acc)
+    rows.append(torch.zeros(4, dtype=DT))
+    torch.testing.assert_close(got, torch.stack(rows), rtol=1e-12, atol=1e-12)
+
+    # leaf_paths: ancestors of each leaf by depth
+    paths = s.leaf_paths()
+    assert paths.shape == (n, max_depth + 2)
+    uni = s.unified_of_node.tolist()
+    for r, u in enumerate(b.leaves):
+        want = [-1] * (max_depth + 2)
+        for a in b.ancestors(u):
+            want[b.depth[a]] = uni[a]
+        assert paths[r].tolist() == want
+
+
+# ----------------------------------------------------------------------------------------
+# hand-made trees
+# ----------------------------------------------------------------------------------------
+
+
+HAND_MADE = {
+    "single_leaf": [-1],
+    "flat": [-1, 0, 0, 0, 0, 0],
+    "two_levels": [-1, 0, 0, 1, 1, 2, 2, 2],
+    "unordered_labels": [2, -1, 1, 2, 1, 0, 0],
+    "chain": [-1, 0, 1, 2, 3],
+    "unary_nodes": [-1, 0, 1, 1, 0, 4, 5, 5, 5],
+    "mixed_families": [-1, 0, 0, 0, 1, 1, 1, 2, 2, 4, 4, 4, 4, 4],
+    "forest_with_lone_leaves": [-1, -1, 1, 1, -1, 4, 5, 5, -1],
+    "sizes_2_3_4_5": [-1] + [0] * 4 + [1] * 2 + [2] * 3 + [3] * 4 + [4] * 5,
+    "leaf_and_internal_siblings": [-1, 0, 0, 0, 2, 2, 3, 6, 6],
+    "equal_leaf_families": [-1, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2],
+    "equal_leaf_families_unordered": [-1, 0, 0, 2, 1, 2, 1, 1, 2, 1, 2],
+    "flat_forest": [-1, 0, 0, -1, 3, 3],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_MADE))
+def test_structure_hand_made(name):
+    parent = HAND_MADE[name]
+    check_structure(parent, TreeStructure.from_parent(torch.tensor(parent)))
+    # the one cached on a NestedSignal is the same layout
+    tree = NestedSignal.from_parents(parent)
+    check_structure(parent, tree.structure)
+
+
+@pytest.mark.parametrize("parent", [
+    [-1],                                   # a single node: a root that is a leaf
+    [-1, 0, 0, -1],                         # a tree and a lone-leaf tree
+    [-1, -1, 1, 1, -1, 4, 5, 5, -1],        # lone leaves first, in between and last
+    [-1, 0, 0, 1, 1],                       # no lone leaf (null row trivially zero)
+])
+def test_null_row_is_zero(parent):
+    """to_internal / subtree_sum / subtree_mean document a zero null row (the row
+    standing for "no parent") even when some trees of the forest are single leaves."""
+    s = TreeStructure.from_parent(torch.tensor(parent))
+    i = s.num_internal
+    values = torch.arange(1.0, s.num_leaves + 1, dtype=DT).unsqueeze(1)
+    zero = torch.zeros(1, dtype=DT)
+    for name in ("to_internal", "subtree_sum", "subtree_mean"):
+        out = getattr(s, name)(values)
+        assert out.shape == (i + 1, 1), name
+        assert torch.equal(out[i], zero), f"{name}: null row {out[i].tolist()}"
+
+
+def test_concrete_numbers():
+    s = TreeStructure.from_parent(torch.tensor([-1, 0, 0, 1, 1, 2, 2, 2]))
+    assert s.node_of_unified.tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
+    assert s.internal_size.tolist() == [5.0, 2.0, 3.0]
+    assert s.depth.tolist() == [2, 2, 2, 2, 2, 0, 1, 1]
+    assert s.level_ptr == [0, 1, 3, 3]
+    assert s.leaf_parent.tolist() == [1, 1, 2, 2, 2]
+    assert s.internal_parent.tolist() == [3, 0, 0]
+    assert sorted((bk.size, bk.num_families) for bk in s.buckets) == [(2, 1), (2, 1), (4, 1)]
+    assert s.num_families == 3
+    assert s.num_attention_weights == 2 + 2 + 6
+
+
+def test_batch_structure_is_forest_of_graphs():
+    parents = [[-1, 0, 0, 1, 1], [-1], [2, 2, -1, 0, 0, 0], [-1, 0, 0]]
+    trees = [NestedSignal.from_parents(p) for p in parents]
+    batch = Batch.from_data_list(trees)
+    flat = []
+    offset = 0
+    for p in parents:
+        flat += [q + offset if q >= 0 else -1 for q in p]
+        offset += len(p)
+    check_structure(flat, batch.structure)
+    assert batch.structure.num_trees == batch.num_graphs
+    assert batch.structure.leaf_tree.tolist() == batch.batch[batch.leaf_index].tolist()
+
+
+def test_structure_to_device_copy():
+    s = TreeStructure.from_parent(torch.tensor(HAND_MADE["mixed_families"]))
+    c = s.to("cpu")
+    assert c.device == torch.device("cpu")
+    check_structure(HAND_MADE["mixed_families"], c)
+
+
+def test_from_parent_rejects_non_tensors():
+    with pytest.raises(TypeError):
+        TreeStructure.from_parent([-1, 0, 0])
+    with pytest.raises(TypeError):
+        TreeStructure.from_parent(torch.tensor([-1.0, 0.0]))
+    with pytest.raises(ValueError, match="cycle"):
+        TreeStructure.from_parent(torch.tensor([-1, 2, 1]))
+
+
+# ----------------------------------------------------------------------------------------
+# random forests
+# ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def forests(draw):
+    m = draw(st.integers(1, 40))
+    root_prob = draw(st.sampled_from([0.0, 0.05, 0.3]))
+    rnd = draw(st.randoms(use_true_random=False))
+    return random_forest(rnd, m, root_prob)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests())
+def test_structure_random_forests(parent):
+    check_structure(parent, TreeStructure.from_parent(torch.tensor(parent)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.sampled_from([torch.int64, torch.int32]))
+def test_signal_structure_random_forests(parent, dtype):
+    tree = NestedSignal.from_parents(torch.tensor(parent, dtype=dtype))
+    assert tree.parent.tolist() == parent
+    check_structure(parent, tree.structure)
+
+
+# ----------------------------------------------------------------------------------------
+# caching
+# ----------------------------------------------------------------------------------------
+
+
+def test_structure_is_cached():
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    first = tree.structure
+    assert tree.structure is first
+    assert tree.structure_for("cpu") is first
+    assert tree.structure_for(torch.device("cpu")) is first
+
+
+def test_in_place_edit_of_edge_index_invalidates_cache():
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    first = tree.structure
+    assert first.internal_size.tolist() == [3.0, 2.0]
+    # move leaf 4 from node 1 to node 0 (in place)
+    col = tree.edge_index[1].tolist().index(4)
+    tree.edge_index[0, col] = 0
+    second = tree.structure
+    assert second is not first
+    check_structure([-1, 0, 0, 1, 0], second)
+    assert tree.structure is second
+
+
+def test_replacing_edge_index_invalidates_cache():
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    first = tree.structure
+    tree.edge_index = NestedSignal.from_parents([-1, 0, 1, 2, 3]).edge_index
+    second = tree.structure
+    assert second is not first
+    check_structure([-1, 0, 1, 2, 3], second)
+
+
+def test_batch_and_unbatched_trees_build_their_own_structure():
+    trees = [NestedSignal.from_parents([-1, 0, 0]), NestedSignal.from_parents([-1, 0])]
+    batch = Batch.from_data_list(trees)
+    assert batch.structure.num_nodes == 5
+    assert batch.structure is batch.structure
+    back = batch.to_data_list()
+    assert back[0].structure.num_nodes == 3 and back[1].structure.num_nodes == 2
+
+
+# ----------------------------------------------------------------------------------------
+# scale
+# ----------------------------------------------------------------------------------------
+
+
+def test_deep_chain_without_recursion():
+    m = 10_000
+    parent = torch.arange(-1, m - 1)
+    tree = NestedSignal.from_parents(parent)
+    s = tree.structure
+    assert s.num_leaves == 1 and s.num_trees == 1
+    assert s.max_depth == m - 2
+    assert s.depth[0].item() == m - 1
+    assert s.internal_size.tolist() == [1.0] * (m - 1)
+    assert s.num_families == 0
+    sums = s.subtree_sum(torch.ones(1, 2, dtype=DT))
+    assert torch.equal(sums[:-1], torch.ones(m - 1, 2, dtype=DT))
+    path = s.path_sum(torch.ones(m, dtype=DT))
+    assert path[:-1].tolist() == [float(d) for d in range(m - 1)]
+
+
+def balanced_parent(num_leaves: int, branching: int) -> torch.Tensor:
+    """Levels built bottom-up: every node of a level hangs under node k // branching
+    of the level above, until one root. Node ids: root first, leaves last."""
+    sizes = [num_leaves]
+    while sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // branching))
+    sizes.reverse()  # root level first
+    starts = [0]
+    for s in sizes[:-1]:
+        starts.append(starts[-1] + s)
+    parts = [torch.tensor([-1])]
+    for level in range(1, len(sizes)):
+        k = torch.arange(sizes[level])
+        parts.append(starts[level - 1] + k // branching)
+    return torch.cat(parts), sizes
+
+
+def test_million_leaf_balanced_tree_builds_fast():
+    parent, sizes = balanced_parent(1_000_000, 16)
+    assert sizes == [1, 16, 245, 3907, 62500, 1_000_000]
+    start = time.perf_counter()
+    tree = NestedSignal.from_parents(parent)
+    s = tree.structure
+    elapsed = time.perf_counter() - start
+    print(f"\n1,000,000-leaf tree ({parent.numel()} nodes, branching 16): "
+          f"from_parents + structure in {elapsed:.2f} s")
+    assert elapsed < 15.0
+    assert s.num_leaves == 1_000_000
+    assert s.num_internal == sum(sizes[:-1])
+    assert s.internal_size[0].item() == 1_000_000.0
+    assert s.max_depth == len(sizes) - 2
+    assert s.level_ptr == [0, 1, 17, 262, 4169, 66669, 66669]
+    # leaf counts add up to N on every level
+    for d in range(s.max_depth + 1):
+        assert s.internal_size[s.level_ptr[d]:s.level_ptr[d + 1]].sum().item() == 1_000_000
+    # no unary node here: every internal node is a family, every non-root node a member
+    assert s.num_families == s.num_internal
+    total = sum(bucket.leaf_slot.numel() + bucket.internal_slot.numel() for bucket in s.buckets)
+    assert total == parent.numel() - 1
