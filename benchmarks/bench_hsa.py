@@ -394,21 +394,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per measurement (default: 10 for N <= 4096, "
                              "7 up to 16384, 5 above; 3 with --quick)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up calls (default 2)")
-    parser.add_argument("--budget", type=float, default=8.0,
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up calls (default 2; 1 with --quick)")
+    parser.add_argument("--budget", type=float, default=None,
                         help="seconds per measurement; slow operators get fewer repeats "
-                             "(never fewer than 3). 0 disables (default 8)")
+                             "(never fewer than 3). 0 disables (default 8; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--flat-limit-gb", type=float, default=4.0,
                         help="skip flat SDPA when H*N*N*4 bytes exceed this (default 4)")
-    parser.add_argument("--dense-max", type=int, default=4096,
-                        help="largest N for the dense hsa_weights path (default 4096)")
+    parser.add_argument("--dense-max", type=int, default=None,
+                        help="largest N for the dense hsa_weights path (default 4096; "
+                             "1024 with --quick, where N = 4096 alone would take ~1 min)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true",
                         help="N up to 4096 and 3 repeats (under a minute)")
     args = parser.parse_args(argv)
+    if args.budget is None:
+        args.budget = 2.0 if args.quick else 8.0
     if args.budget <= 0:
         args.budget = None
+    if args.dense_max is None:
+        args.dense_max = 1024 if args.quick else 4096
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
 
     sizes = args.sizes or DEFAULT_SIZES
     if args.quick:

@@ -2,14 +2,15 @@ r"""Hierarchical Self-Attention: the exact operator (SPEC.md section 2).
 
 Two passes over the tree, never forming the ``N x N`` matrix:
 
-1. **bottom-up**: subtree means ``rq, rk, rv`` of every node; one softmax per family
-   over siblings (``eta`` and the sibling average ``theta_bar``); the internal
-   log-mass ``lam``.
-2. **top-down**: the mass ``m`` reaching each node and the output
-   ``y_i = sum_{A on i's path} m(pa(A)) (1 - mu(A)) theta_bar(A) + m(i) v_i``.
+1. **bottom-up**: subtree means ``rq, rk, rv`` of every node; the sibling logits of
+   every family and their log-sum-exp ``eta``; the internal log-mass ``lam``.
+2. **top-down**: the mass ``m`` reaching each node; each family member's
+   contribution ``delta(A) = m(pa(A)) (1 - mu(A)) theta_bar(A) (+ m(i) v_i for a leaf)``
+   as one weighted matmul per family; the output ``y_i = delta(i) + acc(pa(i))``
+   where ``acc`` sums ``delta`` down each path.
 
-All per-node work is vectorised over one depth at a time; the sibling softmax of all
-families of one padded size is one batched matmul.
+All per-node work is vectorised over one depth at a time, and the families of one
+padded size (see :class:`~hsa_graph.TreeStructure`) go through one batched matmul.
 """
 from __future__ import annotations
 

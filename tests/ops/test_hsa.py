@@ -536,11 +536,13 @@ def test_gradcheck(parent, include_self, pos_kind):
     def f(q, k, v, pos=None):
         return hsa_graph.hsa(q, k, v, tree, include_self=include_self, pos=pos)
 
-    def g(q, k, v, pos=None):
+    def g(q, k, pos=None):
         return hsa_graph.hsa_weights(q, k, tree, include_self=include_self, pos=pos)
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
-    assert torch.autograd.gradcheck(g, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+    # theta has H*N*N outputs: the fast (random projection) mode keeps this quick
+    assert torch.autograd.gradcheck(g, inputs[:2] + inputs[3:], eps=1e-6, atol=1e-6,
+                                    rtol=1e-5, fast_mode=True)
 
 
 def _grads(out, inputs):
