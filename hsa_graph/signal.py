@@ -322,6 +322,94 @@ class NestedSignal(Data):
         return builder.build(cls)
 
 
+    @classmethod
+    def join(cls, children: Sequence[NestedSignal], geometry: str = "sequence", *,
+             keys: Optional[Sequence[str]] = None,
+             positions: Optional[Sequence[Any]] = None,
+             sibling_edges: Optional[Sequence[tuple]] = None,
+             modality: Optional[int] = None) -> NestedSignal:
+        """A new tree whose root (node 0, of ``geometry``) has the roots of
+        ``children`` as its children, in order; each child tree keeps its nodes,
+        attributes and leaf order (offset after the nodes before it).
+
+        Builders compose with it: a document is ``join([title, body, image],
+        "keyvalue", keys=["title", "body", "image"])``.
+
+        Args:
+            children: single-rooted trees; their ``x`` must all be given with the same
+                trailing shape and dtype, or all be missing.
+            geometry: the root's geometry.
+            keys: field names, required for ``keyvalue``.
+            positions: the children's positions (default: their index, or for
+                ``grid`` required ``(row, col)`` pairs).
+            sibling_edges: for ``graph``: pairs ``(i, j)`` of child indices.
+            modality: the root's modality tag (default 0).
+        """
+        children = list(children)
+        if not children:
+            raise ValueError("join needs at least one child tree")
+        for i, child in enumerate(children):
+            if not isinstance(child, NestedSignal):
+                raise TypeError(f"child {i} is a {type(child).__name__}, not a NestedSignal")
+            if child.structure.num_trees != 1:
+                raise ValueError(f"child {i} is a forest of {child.structure.num_trees} "
+                                 "trees; join takes single-rooted trees")
+        _geometry_code(geometry, "the joined root")
+        if geometry == "keyvalue" and (keys is None or len(keys) != len(children)):
+            raise ValueError("a keyvalue root needs one key per child (keys=...)")
+        if geometry == "grid" and positions is None:
+            raise ValueError("a grid root needs (row, col) positions for its children")
+        has_x = [child.get("x") is not None for child in children]
+        if any(has_x) and not all(has_x):
+            raise ValueError(f"child {has_x.index(False)} has no x while others do")
+        if all(has_x):
+            first = children[0].x
+            for i, child in enumerate(children):
+                if child.x.shape[1:] != first.shape[1:] or child.x.dtype != first.dtype:
+                    raise ValueError(
+                        f"child {i} has x of shape {tuple(child.x.shape)} ({child.x.dtype}); "
+                        f"child 0 has {tuple(first.shape)} ({first.dtype})")
+
+        offsets = [1]
+        for child in children[:-1]:
+            offsets.append(offsets[-1] + child.num_nodes)
+        parents, geometries, position_rows, modalities, key_list, sib = [], [], [], [], [], []
+        root_position = torch.full((1, 2), -1, dtype=torch.long)
+        for i, (child, offset) in enumerate(zip(children, offsets)):
+            parent = child.parent.cpu()
+            parents.append(torch.where(parent >= 0, parent + offset, 0))
+            geometries.append(child.geometry.cpu())
+            rows = child.position.cpu().clone()
+            root = int((parent < 0).nonzero()[0])
+            if positions is not None:
+                rows[root] = torch.as_tensor(_position_pair(positions[i], f"child {i}"))
+            else:
+                rows[root] = torch.tensor([i, 0])
+            position_rows.append(rows)
+            modalities.append(child.modality.cpu())
+            child_keys = list(child.key)
+            child_keys[root] = None if keys is None else str(keys[i])
+            key_list.extend(child_keys)
+            sib.append(child.sibling_edge_index.cpu() + offset)
+        root_modality = torch.tensor([0 if modality is None else int(modality)])
+        parent = torch.cat([torch.tensor([-1])] + parents)
+        code = torch.tensor([_CODE[geometry]])
+        root_ids = torch.tensor(offsets) + torch.cat(
+            [(c.parent.cpu() < 0).nonzero()[0] for c in children])
+        for i, j in (sibling_edges or []):
+            if not (0 <= i < len(children) and 0 <= j < len(children)):
+                raise ValueError(f"graph edge ({i}, {j}) is out of range "
+                                 f"({len(children)} children)")
+            sib.append(torch.stack([root_ids[i], root_ids[j]]).view(2, 1))
+        x = torch.cat([child.x for child in children]) if all(has_x) else None
+        return cls.from_parents(
+            parent, x, geometry=torch.cat([code] + geometries),
+            position=torch.cat([root_position] + position_rows),
+            modality=torch.cat([root_modality] + modalities),
+            key=[None] + key_list,
+            sibling_edge_index=torch.cat(sib, 1) if sib else None)
+
+
 @dataclass
 class Node:
     """An explicit node for :meth:`NestedSignal.from_nested`.
