@@ -208,18 +208,43 @@ class NestedSignal(Data):
         return data
 
     @classmethod
-    def from_networkx(cls, graph: nx.DiGraph, root: Any = None) -> NestedSignal:
+    def from_networkx(cls, graph: nx.Graph, root: Any = None, *, x: str = "x",
+                      geometry: str = "geometry", position: str = "position",
+                      modality: str = "modality", key: str = "key",
+                      default_geometry: str = "sequence", order: str = "graph",
+                      ) -> NestedSignal:
         """Build from a networkx tree or forest.
 
-        ``graph`` is an ``nx.DiGraph`` with parent -> child edges, or an undirected
-        ``nx.Graph`` tree with ``root`` given. Nodes are numbered in the graph's node
-        order. Node attributes read: ``x`` (leaf feature vector or token id),
-        ``geometry``, ``position``, ``modality``, ``key``. Edges between siblings of a
-        ``graph`` node can be given as the graph attribute ``sibling_edges`` (pairs of
-        node labels).
+        Args:
+            graph: an ``nx.DiGraph`` with parent -> child edges (a tree or a forest), or
+                an undirected ``nx.Graph`` tree with ``root`` given.
+            root: the root of an undirected tree.
+            x, geometry, position, modality, key: the names of the node attributes
+                holding the leaf features (a vector or a token id), the internal
+                node's geometry (default ``default_geometry``), the position in the
+                parent's geometry (an int or a ``(row, col)`` pair), the modality tag
+                and the field name under a ``keyvalue`` parent. Edges between siblings
+                of a ``graph`` node are read from the graph attribute ``sibling_edges``
+                (pairs of node labels).
+            order: how nodes are numbered, which fixes the row order of the leaves:
+                ``"graph"`` keeps the graph's node order (so ``to_networkx`` round
+                trips exactly); ``"position"`` numbers nodes depth-first with each
+                node's children sorted by their ``position`` attribute (children
+                without one keep insertion order, after those with one), i.e. leaves
+                in document order.
+
+        Example:
+            >>> G = nx.DiGraph([("doc", "s1"), ("doc", "s2"), ("s1", "a"), ("s1", "b")])
+            >>> nx.set_node_attributes(G, {"a": 7, "b": 8, "s2": 9}, "x")
+            >>> NestedSignal.from_networkx(G).x.tolist()
+            [9, 7, 8]
+            >>> NestedSignal.from_networkx(G, order="position").x.tolist()
+            [7, 8, 9]
         """
         if not isinstance(graph, nx.Graph):
             raise TypeError(f"expected a networkx graph, got {type(graph).__name__}")
+        if order not in ("graph", "position"):
+            raise ValueError(f"order must be 'graph' or 'position', got {order!r}")
         if graph.number_of_nodes() == 0:
             raise ValueError("the graph has no nodes")
         if not graph.is_directed():
@@ -244,33 +269,43 @@ class NestedSignal(Data):
             if parent[u] != -1:
                 raise ValueError(f"node {b!r} has two parents: {labels[parent[u]]!r} and {a!r}")
             parent[u] = index[a]
+        if order == "position":
+            labels = _depth_first_by_position(labels, parent, graph.nodes, position)
+            index = {label: u for u, label in enumerate(labels)}
+            parent = [-1] * len(labels)
+            for a, b in graph.edges:
+                parent[index[b]] = index[a]
         attrs = graph.nodes
         is_leaf = [graph.out_degree(label) == 0 for label in labels]
-        geometry = [None if leaf else attrs[label].get("geometry", "sequence")
-                    for label, leaf in zip(labels, is_leaf)]
-        position = None
-        if any("position" in attrs[label] for label in labels):
-            position = [_position_pair(attrs[label].get("position"), label) for label in labels]
-        modality = None
-        if any("modality" in attrs[label] for label in labels):
-            modality = [int(attrs[label].get("modality", 0)) for label in labels]
-        key = None
-        if any("key" in attrs[label] for label in labels):
-            key = [attrs[label].get("key") for label in labels]
-        x = None
-        leaf_x = [attrs[label].get("x") for label, leaf in zip(labels, is_leaf) if leaf]
+        geometries = [None if leaf else attrs[label].get(geometry, default_geometry)
+                      for label, leaf in zip(labels, is_leaf)]
+        positions = None
+        if any(position in attrs[label] for label in labels):
+            positions = [_position_pair(attrs[label].get(position), label) for label in labels]
+        modalities = None
+        if any(modality in attrs[label] for label in labels):
+            modalities = [int(attrs[label].get(modality, 0)) for label in labels]
+        keys = None
+        if any(key in attrs[label] for label in labels):
+            keys = [attrs[label].get(key) for label in labels]
+        features = None
+        leaf_labels = [label for label, leaf in zip(labels, is_leaf) if leaf]
+        leaf_x = [attrs[label].get(x) for label in leaf_labels]
         if any(value is not None for value in leaf_x):
-            missing = [label for label, leaf in zip(labels, is_leaf)
-                       if leaf and attrs[label].get("x") is None]
+            missing = [label for label, value in zip(leaf_labels, leaf_x) if value is None]
             if missing:
-                raise ValueError(f"leaf {missing[0]!r} has no 'x' while other leaves do")
-            x = _stack_leaves(leaf_x, [label for label, leaf in zip(labels, is_leaf) if leaf])
+                raise ValueError(f"leaf {missing[0]!r} has no {x!r} while other leaves do")
+            features = _stack_leaves(leaf_x, leaf_labels)
         sibling_edge_index = None
         if graph.graph.get("sibling_edges"):
+            unknown = [e for e in graph.graph["sibling_edges"]
+                       if e[0] not in index or e[1] not in index]
+            if unknown:
+                raise ValueError(f"sibling edge {unknown[0]!r} names a node not in the graph")
             pairs = [(index[a], index[b]) for a, b in graph.graph["sibling_edges"]]
             sibling_edge_index = torch.tensor(pairs, dtype=torch.long).t()
-        return cls.from_parents(parent, x, geometry=geometry, position=position,
-                                modality=modality, key=key,
+        return cls.from_parents(parent, features, geometry=geometries, position=positions,
+                                modality=modalities, key=keys,
                                 sibling_edge_index=sibling_edge_index)
 
     def to_networkx(self) -> nx.DiGraph:
@@ -535,6 +570,32 @@ def flatten(tree: NestedSignal) -> NestedSignal:
                           tree.modality[tree.leaf_index]])
     return NestedSignal.from_parents(parent, tree.get("x"), geometry="sequence",
                                      modality=modality)
+
+
+def _depth_first_by_position(labels: List[Any], parent: List[int], attrs: Any,
+                             position: str) -> List[Any]:
+    """Labels in depth-first pre-order, siblings sorted by their position attribute
+    (iterative: no recursion limit on deep trees)."""
+    children: Dict[int, List[int]] = {}
+    for u, p in enumerate(parent):
+        children.setdefault(p, []).append(u)
+
+    def sort_key(u: int):
+        value = attrs[labels[u]].get(position)
+        if value is None:
+            return (1, (), u)
+        return (0, _position_pair(value, labels[u]), u)
+
+    ordered: List[Any] = []
+    stack = sorted(children.get(-1, []), key=sort_key, reverse=True)
+    while stack:
+        u = stack.pop()
+        ordered.append(labels[u])
+        stack.extend(sorted(children.get(u, []), key=sort_key, reverse=True))
+    if len(ordered) != len(labels):
+        # nodes unreachable from a root lie on a cycle: from_parents names one
+        return labels
+    return ordered
 
 
 # ------------------------------------------------------------------- helpers
