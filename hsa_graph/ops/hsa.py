@@ -41,6 +41,25 @@ def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
     return (lam.masked_fill(both, 0.0) - total.masked_fill(both, 0.0))
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous. Gradients of
+    reductions arrive expanded (stride 0), and batched matmul backward on such
+    strides falls back to one small GEMM per matrix: 20x slower on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` over the bucket layout ``[F, H, ...]``, with dense gradients."""
+    return _DenseGrad.apply(torch.matmul(a, b))
+
+
 def resolve_structure(tree, device: torch.device) -> TreeStructure:
     """The cached :class:`TreeStructure` of ``tree`` on ``device``."""
     if isinstance(tree, TreeStructure):
@@ -121,12 +140,14 @@ def _sibling_logits(st: TreeStructure, q: Tensor, k: Tensor, rq: Tensor, rk: Ten
     padding), ``eta(A)`` (its log-sum-exp) and the diagonal ``z(A, A)`` (``[F, H, b]``)."""
     all_logits, all_eta, all_self = [], [], []
     for bucket in st.buckets:
-        fq = st.gather_bucket(bucket, q, rq).transpose(1, 2)       # [F, H, b, D]
-        fk = st.gather_bucket(bucket, k, rk).transpose(1, 2)
-        logits = torch.matmul(fq, fk.transpose(-1, -2)) * scale     # [F, H, b, b]
+        # Contiguous [F, H, b, D] operands: batched matmuls (and their backward) on
+        # transposed views fall back to a slow per-matrix loop.
+        fq = st.gather_bucket(bucket, q, rq).transpose(1, 2).contiguous()
+        fk = st.gather_bucket(bucket, k, rk).transpose(1, 2).contiguous()
+        logits = _bmm(fq, fk.transpose(-1, -2)) * scale            # [F, H, b, b]
         if pos_leaf is not None:
-            fp = st.gather_bucket(bucket, pos_leaf, pos_internal).transpose(1, 2)
-            logits = logits + torch.matmul(fp, fp.transpose(-1, -2))
+            fp = st.gather_bucket(bucket, pos_leaf, pos_internal).transpose(1, 2).contiguous()
+            logits = logits + _bmm(fp, fp.transpose(-1, -2))
         all_self.append(logits.diagonal(dim1=-2, dim2=-1))
         bias = bucket.log_size.to(logits.dtype)[:, None, None, :]   # log n(B); -inf on padding
         eye = torch.eye(bucket.size, dtype=torch.bool, device=logits.device)
@@ -146,7 +167,8 @@ def _leaf_rows(st: TreeStructure, per_bucket: List[Tensor], fill: float, like: T
                               for b, t in zip(st.buckets, per_bucket)], fill, like)
 
 
-def _internal_rows(st: TreeStructure, per_bucket: List[Tensor], fill: float, like: Tensor):
+def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: float,
+                   like: Tensor):
     return st.scatter_internal([_rows(t) if b.internal_slot.numel() else None
                                 for b, t in zip(st.buckets, per_bucket)], fill, like)
 
@@ -258,20 +280,33 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     m_leaf = stats.log_m_leaf.exp() if include_self else torch.zeros_like(w_leaf)
     no_self = torch.zeros_like(w_internal)
 
-    deltas = []
+    weights, values = [], []
     for bucket, logits, eta in zip(st.buckets, stats.bucket_logits, stats.bucket_eta):
         w = st.gather_bucket(bucket, w_leaf, w_internal).transpose(1, 2)    # [F, H, b]
         diag = st.gather_bucket(bucket, m_leaf, no_self).transpose(1, 2)
-        weights = torch.exp(logits - eta.unsqueeze(-1)) * w.unsqueeze(-1) + torch.diag_embed(diag)
-        fv = st.gather_bucket(bucket, v, rv).transpose(1, 2)                 # [F, H, b, Dv]
-        deltas.append(torch.matmul(weights, fv))                             # [F, H, b, Dv]
+        weights.append(torch.exp(logits - eta.unsqueeze(-1)) * w.unsqueeze(-1)
+                       + torch.diag_embed(diag))
+        values.append(st.gather_bucket(bucket, v, rv).transpose(1, 2).contiguous())
 
-    # acc(A): the sum of delta over A's ancestors-or-self, top down; a leaf's output is
-    # its own delta plus its parent's acc, added family-wise in the bucket layout.
+    # acc(A): the sum of delta over A's ancestors-or-self, top down. Families with an
+    # internal member go first (acc needs their deltas); a leaf's output is then its
+    # delta plus its parent's acc, added family-wise, fused into the matmul when the
+    # family holds only leaves.
+    deltas: List[Optional[Tensor]] = [
+        _bmm(p, fv) if bucket.internal_slot.numel() else None
+        for bucket, p, fv in zip(st.buckets, weights, values)]
     acc = st.path_sum(_internal_rows(st, deltas, 0.0, v)[:-1])              # [I + 1, H, Dv]
-    for bucket, delta in zip(st.buckets, deltas):
-        if bucket.leaf_slot.numel():  # in place: matmul keeps its inputs, not its output
-            delta.add_(acc[bucket.parent].unsqueeze(2))
+    for i, (bucket, p, fv) in enumerate(zip(st.buckets, weights, values)):
+        if not bucket.leaf_slot.numel():
+            continue
+        above = acc[bucket.parent].unsqueeze(2)                              # [F, H, 1, Dv]
+        if deltas[i] is None:
+            f, h, b, dv = fv.shape
+            deltas[i] = _DenseGrad.apply(torch.baddbmm(
+                above.reshape(f * h, 1, dv), p.reshape(f * h, b, b),
+                fv.reshape(f * h, b, dv)).view(f, h, b, dv))
+        else:
+            deltas[i] = deltas[i] + above
     y = _leaf_rows(st, deltas, 0.0, v)
     if st.lonely_leaf.numel():  # leaves without siblings: acc(parent) + m(i) v_i
         lonely = st.lonely_leaf
