@@ -29,7 +29,14 @@ Timed, with warm-up and the median of the repeats (``time.perf_counter``):
 * ``hsa 1st`` / ``hsa 2nd``: the first and the second forward call on a freshly built
   tree (the second one reuses the cached structure).
 
-These are wall-clock timings on a shared machine: no test asserts on them.
+These are wall-clock timings on a shared machine: no test asserts on them. The 1-minute
+load average is recorded before and after each size; a load above the number of cores
+means other processes competed for the CPU (with ``--threads 2`` on 2 busy cores every
+parallel region can wait a scheduler time slice, inflating times many-fold;
+``--threads 1`` is steadier there). On some Linux VMs page faults on fresh large
+allocations dominate at large ``N``; running with
+``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736`` lets glibc reuse
+freed memory (these and the OpenMP variables are recorded in the JSON).
 """
 from __future__ import annotations
 
@@ -101,7 +108,8 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int,
     """Median wall time of ``fn`` in ms after ``warmup`` calls.
 
     When ``budget_s`` is given, the number of repeats is lowered (never below 3) so that
-    the repeats take about ``budget_s`` seconds, judged from the last warm-up call.
+    the repeats take about ``budget_s`` seconds, judged from the last warm-up call; a
+    call slower than ``3 * budget_s`` (a machine under heavy load) is timed once.
     """
     last = 0.0
     for i in range(warmup):
@@ -111,7 +119,8 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int,
         if budget_s is not None and i == 0 and last > budget_s / 4:
             break  # a slow call: one warm-up is enough
     if budget_s is not None and last > 0:
-        repeats = max(3, min(repeats, int(budget_s / last)))
+        floor = 1 if last > 3 * budget_s else min(3, repeats)
+        repeats = max(floor, min(repeats, int(budget_s / last)))
     times = []
     for _ in range(repeats):
         t0 = _now()
@@ -320,6 +329,11 @@ def markdown(rows: List[Dict[str, object]], meta: Dict[str, object]) -> str:
             notes.append(f"N={row['N']}: hsa output has inf/nan")
         for name, err in row["errors"].items():
             notes.append(f"N={row['N']}: {name} failed: {err}")
+    for row in rows:
+        few = [key for key, value in row.items()
+               if isinstance(value, dict) and value.get("repeats", 3) < 3]
+        if few:
+            notes.append(f"N={row['N']}: timed once (a call took over 3x --budget): {few}")
     busy = [row["N"] for row in rows
             if max(row.get("loadavg_before") or 0, row.get("loadavg_after") or 0)
             > (meta.get("cpu_count") or 1) + 0.5]
@@ -398,7 +412,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="warm-up calls (default 2; 1 with --quick)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds per measurement; slow operators get fewer repeats "
-                             "(never fewer than 3). 0 disables (default 8; 2 with --quick)")
+                             "(at least 3; 1 for a call over 3x the budget). 0 disables "
+                             "(default 8; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--flat-limit-gb", type=float, default=4.0,
                         help="skip flat SDPA when H*N*N*4 bytes exceed this (default 4)")
@@ -432,6 +447,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "branching": BRANCHING, "quick": args.quick, "warmup": args.warmup,
         "budget_s": args.budget, "flat_limit_gb": args.flat_limit_gb,
         "dense_max": args.dense_max, "command": " ".join(sys.argv),
+        "env": {key: os.environ[key] for key in sorted(os.environ)
+                if key.startswith(("MALLOC_", "OMP_", "MKL_", "GOMP_"))},
     }
     print(f"hsa_graph {hsa_graph.__version__}, torch {torch.__version__}, "
           f"{meta['threads']} thread(s), H={args.heads}, D={args.dim}, sizes={sizes}")

@@ -6,6 +6,17 @@ The public names of SPEC.md section 4::
     y = hsa_graph.hsa(q, k, v, tree, include_self=True, scale=None)
     theta = hsa_graph.hsa_weights(q, k, tree)
 """
+from .builders import (
+    document_tree,
+    hopping_window_forest,
+    hopping_window_tree,
+    html_tree,
+    image_tree,
+    text_tree,
+    text_trees,
+    website_tree,
+)
+from .geometry import FieldNameEmbedding, PositionEncoder
 from .ops.dense import hsa_weights
 from .ops.hsa import hsa
 from .signal import GEOMETRIES, NestedSignal, Node, flatten
@@ -15,6 +26,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GEOMETRIES",
+    "FieldNameEmbedding",
+    "PositionEncoder",
+    "document_tree",
+    "hopping_window_forest",
+    "hopping_window_tree",
+    "html_tree",
+    "image_tree",
+    "text_tree",
+    "text_trees",
+    "website_tree",
     "FamilyBucket",
     "NestedSignal",
     "Node",

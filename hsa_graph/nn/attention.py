@@ -1,0 +1,291 @@
+r"""Multi-head Hierarchical Self-Attention with learnable projections."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import LayerNorm, Linear, Module
+
+from ..geometry import PositionEncoder
+from ..ops.hsa import hsa
+from ..signal import flatten
+from .linear import ModalityLinear
+
+__all__ = ["ATTENTIONS", "HSAttention", "attention_tree"]
+
+#: What :class:`HSAttention` attends over: the tree itself (HSA), the flattened tree
+#: (standard softmax attention per tree) or nothing (each leaf only sees itself).
+ATTENTIONS = ("hierarchical", "flat", "none")
+
+PositionInput = Union[None, Tensor, Dict[str, Tuple[Tensor, Tensor]]]
+
+
+def attention_tree(tree, attention: str = "hierarchical"):
+    """The tree an :class:`HSAttention` layer with mode ``attention`` runs HSA on:
+    ``tree`` itself (``"hierarchical"``), :func:`~hsa_graph.flatten` of it (``"flat"``,
+    computed once per tree and cached on it like its structure) or ``None``
+    (``"none"``). Position embeddings are computed on this tree.
+
+    Example:
+        >>> import hsa_graph
+        >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
+        >>> attention_tree(tree, "flat").parent.tolist()   # a root over the 5 leaves
+        [-1, 0, 0, 0, 0, 0]
+        >>> attention_tree(tree, "flat") is attention_tree(tree, "flat")
+        True
+    """
+    if attention == "hierarchical":
+        return tree
+    if attention == "none":
+        return None
+    if attention != "flat":
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    edge_index = getattr(tree, "edge_index", None)
+    if edge_index is None:
+        raise TypeError(f"expected a NestedSignal (or a Batch of them), got "
+                        f"{type(tree).__name__}")
+    # Same invalidation rule as NestedSignal.structure: rebuilt when edge_index changes.
+    signature = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
+                 tree.num_nodes)
+    cache = tree.__dict__.get("_flat_tree_cache")
+    if cache is None or cache[0] != signature:
+        cache = (signature, flatten(tree))
+        tree.__dict__["_flat_tree_cache"] = cache
+    return cache[1]
+
+
+class HSAttention(Module):
+    r"""Multi-head Hierarchical Self-Attention over the leaves of a nested signal.
+
+    For leaf features :math:`x_i` (rows in increasing node index) and each head
+    :math:`h`:
+
+    .. math::
+        q_i, k_i, v_i &= W^{t_i}_{q,k,v}\, x_i + b^{t_i}_{q,k,v}
+            \quad (\text{one set per modality tag } t_i \text{ if } T > 1) \\
+        q_i, k_i &\leftarrow \mathrm{LayerNorm}(q_i), \mathrm{LayerNorm}(k_i)
+            \quad (\texttt{qk\_norm}, \text{per head}) \\
+        y_i &= W_o\, \big\Vert_h \big[\mathrm{Dropout}(\mathrm{HSA}(q, k, v)_i)
+            \;(+\, q_i \text{ with } \texttt{query\_residual})\big] + b_o
+
+    where :func:`~hsa_graph.hsa` adds :math:`\langle \varepsilon(A),
+    \varepsilon(B)\rangle` to sibling logits, :math:`\varepsilon` coming from this
+    layer's own :class:`~hsa_graph.geometry.PositionEncoder` (a projection per geometry
+    type, as in the paper's appendix F) when ``pos_dim`` is set.
+
+    **Dropout.** :func:`~hsa_graph.hsa` never forms the attention matrix, so there is
+    no attention-*weight* dropout (zeroing entries :math:`\theta_{ij}` as
+    :class:`torch.nn.MultiheadAttention` does): ``dropout`` zeroes entries of each
+    head's attention *output* :math:`\mathrm{HSA}(q, k, v)_i` (scaled by
+    :math:`1/(1-p)`), before the query residual and the output projection. Only in
+    evaluation mode (or with ``dropout=0``) does the layer equal
+    :class:`torch.nn.MultiheadAttention` on a flat tree.
+
+    **Precision.** The attention itself runs in float32 (float64 for float64 inputs)
+    with autocast switched off: under ``torch.autocast`` the projections run in
+    bfloat16/float16, but the logits, soft-maxes and masses of HSA do not.
+
+    **Baselines on the same code path** (``attention=``): ``"hierarchical"`` (HSA on
+    the tree), ``"flat"`` (the same layer on :func:`~hsa_graph.flatten` of the tree:
+    standard softmax attention within each tree, positions then being each leaf's
+    index in its tree) and ``"none"`` (attention disabled: each leaf attends only to
+    itself, :math:`\mathrm{HSA}(q, k, v)_i = v_i`; a stack of such layers followed by a
+    global pooling is a DeepSet).
+
+    Args:
+        in_channels: leaf feature size ``F``.
+        heads: ``H``.
+        head_channels: ``D`` per head; default ``in_channels // heads``.
+        out_channels: output size; default ``in_channels``.
+        num_modalities: ``T``; with ``T > 1`` the query/key/value projections have
+            one set of weights per modality tag (``tree.modality`` of the leaves).
+        qk_norm: LayerNorm on queries and keys after projection, over each head's
+            ``D`` channels (the paper's choice: it makes HSA the minimiser of the
+            energy in its Theorem 3.2).
+        v_norm: LayerNorm on values too (the paper's figure 4 draws it on all three).
+        pos_dim: ``P``, the size of the position embeddings per head; ``None`` for no
+            position embeddings.
+        pos_kwargs: further arguments of :class:`~hsa_graph.geometry.PositionEncoder`
+            (``dim``, ``kind``, ``sigma``, ``seed``, ``graph``, ``graph_dim``,
+            ``field_names``, ``bias``).
+        include_self: whether a leaf attends to itself inside HSA (``True``: a flat
+            tree gives softmax attention; the paper's HTE layer uses ``False`` and a
+            query residual).
+        attention: ``"hierarchical"``, ``"flat"`` or ``"none"`` (see above).
+        dropout: probability of zeroing attention outputs (see above).
+        query_residual: add each head's (normalised) query to its attention output
+            before the output projection, as in the paper's figure 4.
+        bias: biases of the projections.
+        scale: logit scale; ``1 / sqrt(D)`` by default.
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]`` (one row per leaf of ``tree``); ``tree`` a
+          :class:`~hsa_graph.NestedSignal` or a PyG ``Batch`` of them (a forest:
+          attention never crosses trees); ``pos`` optional: ``None`` (this layer's
+          encoder computes the embeddings), a ``dict`` of raw features from
+          :meth:`PositionEncoder.features` (shared by the layers of an encoder), or a
+          ready tensor ``[M, P]`` / ``[M, H, P]`` over the nodes of
+          :func:`attention_tree`.
+        - **output:** ``[N, out_channels]``.
+
+    Example:
+        >>> import hsa_graph
+        >>> _ = torch.manual_seed(0)
+        >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
+        >>> attn = HSAttention(16, heads=4, pos_dim=8)
+        >>> attn
+        HSAttention(16, 16, heads=4, head_channels=4, attention='hierarchical', include_self=True, qk_norm=True, v_norm=False, num_modalities=1, pos_dim=8, dropout=0.0)
+        >>> attn(torch.randn(5, 16), tree).shape
+        torch.Size([5, 16])
+    """
+
+    def __init__(self, in_channels: int, heads: int = 1, head_channels: Optional[int] = None,
+                 out_channels: Optional[int] = None, *, num_modalities: int = 1,
+                 qk_norm: bool = True, v_norm: bool = False, pos_dim: Optional[int] = None,
+                 pos_kwargs: Optional[Dict[str, Any]] = None, include_self: bool = True,
+                 attention: str = "hierarchical", dropout: float = 0.0,
+                 query_residual: bool = False, bias: bool = True,
+                 scale: Optional[float] = None):
+        super().__init__()
+        _positive("in_channels", in_channels)
+        _positive("heads", heads)
+        if head_channels is None:
+            if in_channels % heads:
+                raise ValueError(f"in_channels={in_channels} is not divisible by heads={heads}; "
+                                 "pass head_channels=")
+            head_channels = in_channels // heads
+        _positive("head_channels", head_channels)
+        out_channels = in_channels if out_channels is None else out_channels
+        _positive("out_channels", out_channels)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        if pos_dim is not None:
+            _positive("pos_dim", pos_dim)
+        elif pos_kwargs:
+            raise ValueError("pos_kwargs given without pos_dim")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.heads, self.head_channels = heads, head_channels
+        self.num_modalities = num_modalities
+        self.include_self, self.attention = bool(include_self), attention
+        self.dropout, self.query_residual = float(dropout), bool(query_residual)
+        self.scale = scale
+        self.pos_dim = pos_dim
+        inner = heads * head_channels
+        # q, k and v in one matmul; rows laid out [q | k | v], each [H, D] (as the
+        # in_proj of torch.nn.MultiheadAttention).
+        self.qkv = ModalityLinear(in_channels, 3 * inner, num_modalities, bias=bias)
+        self.q_norm = LayerNorm(head_channels) if qk_norm else None
+        self.k_norm = LayerNorm(head_channels) if qk_norm else None
+        self.v_norm = LayerNorm(head_channels) if v_norm else None
+        self.pos_encoder = (PositionEncoder(pos_dim, heads=heads, **(pos_kwargs or {}))
+                            if pos_dim is not None else None)
+        self.out_proj = Linear(inner, out_channels, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every projection, norm and position encoder."""
+        self.qkv.reset_parameters()
+        for norm in (self.q_norm, self.k_norm, self.v_norm):
+            if norm is not None:
+                norm.reset_parameters()
+        if self.pos_encoder is not None:
+            self.pos_encoder.reset_parameters()
+        self.out_proj.reset_parameters()
+
+    def attention_tree(self, tree):
+        """The tree this layer attends over (see :func:`attention_tree`)."""
+        return attention_tree(tree, self.attention)
+
+    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
+        """Leaf outputs ``[N, out_channels]`` (see the class docstring)."""
+        structure = _structure(tree, x)
+        n = structure.num_leaves
+        if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
+                             f"(N = {n}), got {tuple(x.shape)}")
+        modality = None
+        if self.num_modalities > 1:
+            tags = getattr(tree, "modality", None)
+            if tags is None:
+                raise ValueError("num_modalities > 1 needs tree.modality")
+            # leaves are the first N unified nodes, in increasing node index = row order
+            modality = tags.to(x.device)[structure.node_of_unified[:n]]
+        h, d = self.heads, self.head_channels
+        q, k, v = self.qkv(x, modality).view(n, 3, h, d).unbind(1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+
+        target = self.attention_tree(tree)
+        if target is None:  # attention disabled: theta = identity
+            y = v
+        else:
+            embeddings = self._positions(target, pos)
+            # float32 attention (float64 for float64 inputs), whatever autocast says:
+            # autocast would otherwise run HSA's matmuls in half precision.
+            dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+            with _no_autocast(x.device.type):
+                y = hsa(q.to(dtype), k.to(dtype), v.to(dtype), target,
+                        include_self=self.include_self, scale=self.scale,
+                        pos=None if embeddings is None else embeddings.to(dtype))
+            y = y.to(v.dtype)
+        y = F.dropout(y, self.dropout, self.training)
+        if self.query_residual:
+            y = y + q.to(y.dtype)
+        return self.out_proj(y.reshape(n, h * d))
+
+    def _positions(self, target, pos: PositionInput) -> Optional[Tensor]:
+        if isinstance(pos, Tensor):
+            return pos
+        if pos is not None and not isinstance(pos, dict):
+            raise TypeError(f"pos must be None, a tensor or a dict of raw position features, "
+                            f"got {type(pos).__name__}")
+        if self.pos_encoder is None:
+            if pos is not None:
+                raise ValueError("raw position features were given but this layer has no "
+                                 "position encoder (pos_dim=None)")
+            return None
+        return self.pos_encoder(target, pos)
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, "
+                f"heads={self.heads}, head_channels={self.head_channels}, "
+                f"attention={self.attention!r}, include_self={self.include_self}, "
+                f"qk_norm={self.q_norm is not None}, v_norm={self.v_norm is not None}, "
+                f"num_modalities={self.num_modalities}, pos_dim={self.pos_dim}, "
+                f"dropout={self.dropout}"
+                + (", query_residual=True" if self.query_residual else "") + ")")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _structure(tree, x: Tensor):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be floating point (embed token ids first), got {x.dtype}")
+    structure_for = getattr(tree, "structure_for", None)
+    if structure_for is None:
+        raise TypeError(f"tree must be a NestedSignal or a PyG Batch of them, got "
+                        f"{type(tree).__name__}")
+    return structure_for(x.device)
+
+
+def _no_autocast(device_type: str):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
