@@ -784,3 +784,35 @@ def test_flatten_batch():
     roots = sum(int((t.parent < 0).sum()) for t in trees)
     flat = flatten(batch)
     check_flat(flat, batch, roots)
+
+
+def test_from_networkx_attribute_names_and_position_order():
+    G = nx.DiGraph()
+    G.add_node("doc", kind="keyvalue")
+    # children inserted out of order; their `slot` attribute gives the document order
+    for label, slot, feat in [("c", 2, [3.0]), ("a", 0, [1.0]), ("b", 1, [2.0])]:
+        G.add_node(label, slot=slot, feat=torch.tensor(feat), field=f"f{slot}", tag=1)
+        G.add_edge("doc", label)
+    by_graph = NestedSignal.from_networkx(G, x="feat", geometry="kind", position="slot",
+                                          key="field", modality="tag")
+    assert by_graph.x.flatten().tolist() == [3.0, 1.0, 2.0]
+    assert by_graph.geometry_names()[0] == "keyvalue"
+    assert by_graph.key == [None, "f2", "f0", "f1"]
+    assert by_graph.modality.tolist() == [0, 1, 1, 1]
+    by_position = NestedSignal.from_networkx(G, x="feat", geometry="kind", position="slot",
+                                             key="field", order="position")
+    assert by_position.x.flatten().tolist() == [1.0, 2.0, 3.0]
+    assert by_position.position[1:, 0].tolist() == [0, 1, 2]
+    assert by_position.key == [None, "f0", "f1", "f2"]
+    with pytest.raises(ValueError, match="order"):
+        NestedSignal.from_networkx(G, order="alphabetical")
+
+
+def test_from_networkx_position_order_is_depth_first():
+    G = nx.DiGraph([(0, 2), (0, 1), (2, 4), (2, 3), (1, 5)])
+    nx.set_node_attributes(G, {1: 0, 2: 1, 3: 0, 4: 1, 5: 0}, "position")
+    nx.set_node_attributes(G, {3: 30, 4: 40, 5: 50}, "x")
+    tree = NestedSignal.from_networkx(G, order="position")
+    # depth first, children by position: 0, 1, 5, 2, 3, 4
+    assert tree.x.tolist() == [50, 30, 40]
+    assert tree.parent.tolist() == [-1, 0, 1, 0, 3, 3]

@@ -137,7 +137,9 @@ class HSAttention(Module):
         >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
         >>> attn = HSAttention(16, heads=4, pos_dim=8)
         >>> attn
-        HSAttention(16, 16, heads=4, head_channels=4, attention='hierarchical', include_self=True, qk_norm=True, v_norm=False, num_modalities=1, pos_dim=8, dropout=0.0)
+        HSAttention(16, 16, heads=4, head_channels=4, attention='hierarchical',
+                    include_self=True, qk_norm=True, v_norm=False, num_modalities=1,
+                    pos_dim=8, dropout=0.0)
         >>> attn(torch.randn(5, 16), tree).shape
         torch.Size([5, 16])
     """

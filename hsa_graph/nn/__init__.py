@@ -1,0 +1,34 @@
+r"""Neural modules around HSA: attention layer, transformer layers, pooling.
+
+* :class:`HSAttention`: multi-head HSA with (per-modality) q/k/v projections,
+  LayerNorm on queries and keys, per-geometry position embeddings and an output
+  projection; ``attention="flat"`` / ``"none"`` give the flat self-attention and
+  DeepSet baselines on the same code path.
+* :class:`HierarchicalTransformerEncoderLayer` (the paper's HTE layer),
+  :class:`HSATransformerEncoderLayer` (pre-norm block) and
+  :class:`HierarchicalTransformerEncoder` (a stack of either).
+* :func:`global_leaf_pool`, :func:`subtree_pool`, :func:`pool_leaves`: one vector per
+  tree, per node (internal nodes included), and local pooling into parents.
+"""
+from .attention import ATTENTIONS, HSAttention, attention_tree
+from .encoder import (
+    HierarchicalTransformerEncoder,
+    HierarchicalTransformerEncoderLayer,
+    HSATransformerEncoderLayer,
+)
+from .linear import ModalityLinear
+from .pool import PooledTree, global_leaf_pool, pool_leaves, subtree_pool
+
+__all__ = [
+    "ATTENTIONS",
+    "HSAttention",
+    "HSATransformerEncoderLayer",
+    "HierarchicalTransformerEncoder",
+    "HierarchicalTransformerEncoderLayer",
+    "ModalityLinear",
+    "PooledTree",
+    "attention_tree",
+    "global_leaf_pool",
+    "pool_leaves",
+    "subtree_pool",
+]

@@ -1,0 +1,276 @@
+r"""Transformer layers and encoders built on :class:`~hsa_graph.nn.HSAttention`.
+
+Two layer designs:
+
+* :class:`HierarchicalTransformerEncoderLayer`: the paper's HTE layer (appendix F,
+  figure 4): per-modality q/k/v projections, LayerNorm *after* the projection, HSA per
+  head with the query added back (the residual is post-projection), concatenation, an
+  output projection, LayerNorm, and a point-wise feed-forward network with a residual.
+* :class:`HSATransformerEncoderLayer`: the standard pre-norm transformer block
+  (``x + Attn(LN(x))``, then ``x + FFN(LN(x))``) with HSA as its attention.
+
+:class:`HierarchicalTransformerEncoder` stacks either kind. Neither layer changes the
+tree: the same tree (and the same raw position features, projected per layer as in
+the paper) goes to every layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Dropout, LayerNorm, Linear, Module, ModuleList, Sequential
+from torch_geometric.nn.resolver import activation_resolver
+
+from ..geometry import FieldNameEmbedding
+from .attention import ATTENTIONS, HSAttention, PositionInput, attention_tree
+
+__all__ = [
+    "HSATransformerEncoderLayer",
+    "HierarchicalTransformerEncoder",
+    "HierarchicalTransformerEncoderLayer",
+]
+
+
+def _feed_forward(channels: int, hidden: int, act: str, dropout: float) -> Sequential:
+    return Sequential(Linear(channels, hidden), activation_resolver(act), Dropout(dropout),
+                      Linear(hidden, channels))
+
+
+class HierarchicalTransformerEncoderLayer(Module):
+    r"""The paper's Hierarchical Transformer Encoder (HTE) layer (appendix F, fig. 4).
+
+    .. math::
+        q, k, v &= \mathrm{LN}(W^{t}_{q,k,v}\, x) \quad \text{(per modality } t,
+            \text{ per head)} \\
+        h &= \mathrm{LN}\big(W_o \big\Vert_{\text{heads}}
+            [\mathrm{HSA}(q, k, v) + q]\big) \\
+        \text{out} &= h + \mathrm{FFN}(h)
+
+    The residual around the attention adds the normalised query of each head (the
+    paper's residual "applied post-linear projection"), so by default a leaf does not
+    attend to itself inside HSA (``include_self=False``, as in the paper): it keeps
+    its own information through that residual. Dropout acts on each head's
+    attention output (see :class:`~hsa_graph.nn.HSAttention`) and on the FFN.
+
+    Args:
+        channels: leaf feature size ``C`` (input and output).
+        heads: number of heads; each has ``C // heads`` channels unless
+            ``head_channels`` is given.
+        ffn_channels: hidden size of the feed-forward network (``4 C``).
+        num_modalities: per-modality q/k/v projections when ``> 1``.
+        v_norm: LayerNorm on values too (figure 4 draws it on q, k and v).
+        act: activation of the FFN (any name of :mod:`torch_geometric.nn.resolver`).
+        dropout: dropout on attention outputs and inside/after the FFN.
+        **kwargs: further arguments of :class:`~hsa_graph.nn.HSAttention`
+            (``head_channels``, ``pos_dim``, ``pos_kwargs``, ``include_self``,
+            ``attention``, ``scale``, ``bias``).
+
+    Shapes:
+        - **input:** ``x`` ``[N, C]``, ``tree`` with ``N`` leaves, ``pos`` as in
+          :class:`~hsa_graph.nn.HSAttention`.
+        - **output:** ``[N, C]``.
+
+    Example:
+        >>> import hsa_graph
+        >>> _ = torch.manual_seed(0)
+        >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
+        >>> layer = HierarchicalTransformerEncoderLayer(16, heads=2, pos_dim=4)
+        >>> layer(torch.randn(5, 16), tree).shape
+        torch.Size([5, 16])
+    """
+
+    def __init__(self, channels: int, heads: int = 1, *, ffn_channels: Optional[int] = None,
+                 num_modalities: int = 1, v_norm: bool = True, act: str = "gelu",
+                 dropout: float = 0.0, **kwargs: Any):
+        super().__init__()
+        kwargs.setdefault("include_self", False)
+        self.channels = channels
+        self.attn = HSAttention(channels, heads, out_channels=channels,
+                                num_modalities=num_modalities, qk_norm=True, v_norm=v_norm,
+                                dropout=dropout, query_residual=True, **kwargs)
+        self.norm = LayerNorm(channels)
+        self.ffn = _feed_forward(channels, ffn_channels or 4 * channels, act, dropout)
+        self.dropout = float(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the attention, the norm and the feed-forward network."""
+        self.attn.reset_parameters()
+        self.norm.reset_parameters()
+        for module in self.ffn:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
+        """``[N, C] -> [N, C]``."""
+        h = self.norm(self.attn(x, tree, pos))
+        return h + F.dropout(self.ffn(h), self.dropout, self.training)
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.channels}, heads={self.attn.heads}, "
+                f"attention={self.attn.attention!r}, pos_dim={self.attn.pos_dim}, "
+                f"num_modalities={self.attn.num_modalities})")
+
+
+class HSATransformerEncoderLayer(Module):
+    r"""The standard pre-norm transformer block with HSA as its attention.
+
+    .. math::
+        x &\leftarrow x + \mathrm{Dropout}(\mathrm{HSAttention}(\mathrm{LN}(x))) \\
+        x &\leftarrow x + \mathrm{Dropout}(\mathrm{FFN}(\mathrm{LN}(x)))
+
+    With ``qk_norm=False``, ``include_self=True`` (the defaults here are
+    ``qk_norm=True``, ``include_self=True``) and a flat tree this is
+    :class:`torch.nn.TransformerEncoderLayer` with ``norm_first=True`` (up to
+    dropout placement).
+
+    Args:
+        channels: leaf feature size ``C``.
+        heads: number of heads.
+        ffn_channels: hidden size of the feed-forward network (``4 C``).
+        act: activation of the FFN.
+        dropout: dropout on the attention outputs, and on both residual branches.
+        **kwargs: further arguments of :class:`~hsa_graph.nn.HSAttention`
+            (``head_channels``, ``num_modalities``, ``qk_norm``, ``v_norm``,
+            ``pos_dim``, ``pos_kwargs``, ``include_self``, ``attention``, ...).
+
+    Shapes:
+        - **input:** ``x`` ``[N, C]``, ``tree`` with ``N`` leaves.
+        - **output:** ``[N, C]``.
+
+    Example:
+        >>> import hsa_graph
+        >>> _ = torch.manual_seed(0)
+        >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
+        >>> layer = HSATransformerEncoderLayer(8, heads=2)
+        >>> layer(torch.randn(5, 8), tree).shape
+        torch.Size([5, 8])
+    """
+
+    def __init__(self, channels: int, heads: int = 1, *, ffn_channels: Optional[int] = None,
+                 act: str = "gelu", dropout: float = 0.0, **kwargs: Any):
+        super().__init__()
+        self.channels = channels
+        self.norm1 = LayerNorm(channels)
+        self.attn = HSAttention(channels, heads, out_channels=channels, dropout=dropout,
+                                **kwargs)
+        self.norm2 = LayerNorm(channels)
+        self.ffn = _feed_forward(channels, ffn_channels or 4 * channels, act, dropout)
+        self.dropout = float(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the norms, the attention and the feed-forward network."""
+        self.norm1.reset_parameters()
+        self.attn.reset_parameters()
+        self.norm2.reset_parameters()
+        for module in self.ffn:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
+        """``[N, C] -> [N, C]``."""
+        x = x + F.dropout(self.attn(self.norm1(x), tree, pos), self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}({self.channels}, heads={self.attn.heads}, "
+                f"attention={self.attn.attention!r}, pos_dim={self.attn.pos_dim})")
+
+
+_LAYERS = {"hte": HierarchicalTransformerEncoderLayer, "pre_norm": HSATransformerEncoderLayer}
+
+
+class HierarchicalTransformerEncoder(Module):
+    r"""A stack of HSA transformer layers over the leaves of a nested signal.
+
+    Every layer sees the same tree. With position embeddings (``pos_dim``), the raw
+    features of each node's position (:meth:`PositionEncoder.features
+    <hsa_graph.geometry.PositionEncoder.features>`) are computed once per forward
+    pass and projected by each layer's own linear maps (one per geometry type), with
+    one field-name table shared by all layers, as in the paper's appendix F. A
+    pre-norm stack ends with a LayerNorm.
+
+    The leaf outputs can be read out with :mod:`hsa_graph.nn.pool`: one vector per
+    tree (:func:`~hsa_graph.nn.global_leaf_pool`) or per node, internal nodes
+    included (:func:`~hsa_graph.nn.subtree_pool`).
+
+    Args:
+        channels: leaf feature size ``C``.
+        num_layers: number of layers.
+        heads: heads per layer.
+        layer: ``"hte"`` (:class:`HierarchicalTransformerEncoderLayer`) or
+            ``"pre_norm"`` (:class:`HSATransformerEncoderLayer`).
+        attention: ``"hierarchical"`` (HSA), or the baselines ``"flat"`` (softmax
+            attention over each tree's leaves) and ``"none"`` (no attention: a
+            DeepSet once pooled), see :class:`~hsa_graph.nn.HSAttention`.
+        pos_dim: size of the position embeddings per head (``None``: none).
+        pos_kwargs: arguments of :class:`~hsa_graph.geometry.PositionEncoder`
+            shared by all layers (``dim``, ``kind``, ``sigma``, ``seed``, ``graph``,
+            ``graph_dim``, ``bias``).
+        **kwargs: further arguments of the layer (``ffn_channels``, ``act``,
+            ``dropout``, ``num_modalities``, ``include_self``, ``head_channels``, ...).
+
+    Shapes:
+        - **input:** ``x`` ``[N, C]``, ``tree`` with ``N`` leaves.
+        - **output:** ``[N, C]``.
+
+    Example:
+        >>> import hsa_graph
+        >>> from torch_geometric.data import Batch
+        >>> from hsa_graph.nn import global_leaf_pool
+        >>> _ = torch.manual_seed(0)
+        >>> trees = [hsa_graph.NestedSignal.from_nested([[torch.randn(8)] * 2, [torch.randn(8)]]),
+        ...          hsa_graph.NestedSignal.from_nested([torch.randn(8)] * 3)]
+        >>> batch = Batch.from_data_list(trees)
+        >>> encoder = HierarchicalTransformerEncoder(8, num_layers=2, heads=2, pos_dim=4)
+        >>> out = encoder(batch.x, batch)
+        >>> out.shape, global_leaf_pool(out, batch).shape
+        (torch.Size([6, 8]), torch.Size([2, 8]))
+    """
+
+    def __init__(self, channels: int, num_layers: int, heads: int = 1, *, layer: str = "hte",
+                 attention: str = "hierarchical", pos_dim: Optional[int] = None,
+                 pos_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any):
+        super().__init__()
+        if layer not in _LAYERS:
+            raise ValueError(f"layer must be one of {tuple(_LAYERS)}, got {layer!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        pos_kwargs = dict(pos_kwargs or {})
+        if pos_dim is not None and "field_names" not in pos_kwargs:
+            # one field-name table for the whole stack: the raw features are shared
+            pos_kwargs["field_names"] = FieldNameEmbedding(pos_kwargs.get("dim", 32))
+        self.channels, self.num_layers, self.layer_type = channels, num_layers, layer
+        self.attention = attention
+        self.layers = ModuleList([
+            _LAYERS[layer](channels, heads, attention=attention, pos_dim=pos_dim,
+                           pos_kwargs=pos_kwargs if pos_dim is not None else None, **kwargs)
+            for _ in range(num_layers)])
+        self.norm = LayerNorm(channels) if layer == "pre_norm" else None
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every layer."""
+        for layer in self.layers:
+            layer.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    def forward(self, x: Tensor, tree) -> Tensor:
+        """``[N, C] -> [N, C]``: leaf outputs."""
+        target = attention_tree(tree, self.attention)
+        encoder = self.layers[0].attn.pos_encoder
+        features = (encoder.features(target) if encoder is not None and target is not None
+                    else None)
+        for layer in self.layers:
+            x = layer(x, tree, features)
+        return x if self.norm is None else self.norm(x)
+
+    def __repr__(self) -> str:
+        first = self.layers[0].attn
+        return (f"{self.__class__.__name__}({self.channels}, num_layers={self.num_layers}, "
+                f"heads={first.heads}, layer={self.layer_type!r}, "
+                f"attention={self.attention!r}, pos_dim={first.pos_dim})")
