@@ -318,6 +318,8 @@ class NestedSignal(Data):
         position = self.position.tolist()
         modality = self.modality.tolist()
         key = self.key
+        if key and isinstance(key[0], (list, tuple)):  # a Batch: one list per tree
+            key = [k for per_tree in key for k in per_tree]
         x_rows = iter(self.x.unbind(0)) if self.get("x") is not None else None
         for u in range(m):
             attrs: Dict[str, Any] = {"position": tuple(position[u])}

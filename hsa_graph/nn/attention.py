@@ -80,9 +80,11 @@ class HSAttention(Module):
     no attention-*weight* dropout (zeroing entries :math:`\theta_{ij}` as
     :class:`torch.nn.MultiheadAttention` does): ``dropout`` zeroes entries of each
     head's attention *output* :math:`\mathrm{HSA}(q, k, v)_i` (scaled by
-    :math:`1/(1-p)`), before the query residual and the output projection. Only in
-    evaluation mode (or with ``dropout=0``) does the layer equal
-    :class:`torch.nn.MultiheadAttention` on a flat tree.
+    :math:`1/(1-p)`), before the query residual and the output projection. It
+    regularises like attention dropout but is not the same random function: on a flat
+    tree (with ``qk_norm=False``, ``include_self=True``, no positions) the layer equals
+    :class:`torch.nn.MultiheadAttention` given the same weights only in evaluation mode
+    or with ``dropout=0``.
 
     **Precision.** The attention itself runs in float32 (float64 for float64 inputs)
     with autocast switched off: under ``torch.autocast`` the projections run in

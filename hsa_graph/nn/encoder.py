@@ -64,7 +64,7 @@ class HierarchicalTransformerEncoderLayer(Module):
         dropout: dropout on attention outputs and inside/after the FFN.
         **kwargs: further arguments of :class:`~hsa_graph.nn.HSAttention`
             (``head_channels``, ``pos_dim``, ``pos_kwargs``, ``include_self``,
-            ``attention``, ``scale``, ``bias``).
+            ``qk_norm`` (default ``True``), ``attention``, ``scale``, ``bias``).
 
     Shapes:
         - **input:** ``x`` ``[N, C]``, ``tree`` with ``N`` leaves, ``pos`` as in
@@ -85,9 +85,10 @@ class HierarchicalTransformerEncoderLayer(Module):
                  dropout: float = 0.0, **kwargs: Any):
         super().__init__()
         kwargs.setdefault("include_self", False)
+        kwargs.setdefault("qk_norm", True)
         self.channels = channels
         self.attn = HSAttention(channels, heads, out_channels=channels,
-                                num_modalities=num_modalities, qk_norm=True, v_norm=v_norm,
+                                num_modalities=num_modalities, v_norm=v_norm,
                                 dropout=dropout, query_residual=True, **kwargs)
         self.norm = LayerNorm(channels)
         self.ffn = _feed_forward(channels, ffn_channels or 4 * channels, act, dropout)

@@ -99,8 +99,8 @@ def subtree_pool(x: Tensor, tree, index: Optional[Tensor] = None,
         >>> import hsa_graph
         >>> tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
         >>> x = torch.tensor([[1.], [3.], [0.], [3.], [6.]])     # leaves 3 .. 7
-        >>> subtree_pool(x, tree).flatten().tolist()
-        [2.5999999046325684, 2.0, 3.0, 1.0, 3.0, 0.0, 3.0, 6.0]
+        >>> subtree_pool(x, tree).flatten()            # nodes 0 .. 7
+        tensor([2.6000, 2.0000, 3.0000, 1.0000, 3.0000, 0.0000, 3.0000, 6.0000])
         >>> subtree_pool(x, tree, torch.tensor([2, 6]), reduce="sum").flatten().tolist()
         [9.0, 3.0]
     """

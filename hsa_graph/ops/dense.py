@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .hsa import _check_inputs, _compute_dtype, hsa_statistics, resolve_structure
+from .hsa import _check_inputs, _compute_dtype, hsa_statistics, no_autocast, resolve_structure
 
 __all__ = ["hsa_weights"]
 
@@ -39,8 +39,17 @@ def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
     dtype = _compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    with no_autocast(q.device):
+        theta = _dense_weights(st, q, k, include_self, scale, pos)
+    theta = theta.to(out_dtype)
+    return theta.squeeze(0) if single_head else theta
+
+
+def _dense_weights(st, q: Tensor, k: Tensor, include_self: bool, scale: float,
+                   pos: Optional[Tensor]) -> Tensor:
     stats = hsa_statistics(st, q, k, include_self, scale, pos)
     rq, rk = stats.rq, stats.rk
+    dtype = q.dtype
 
     n = st.num_leaves
     node_q = torch.cat([q, rq[:-1]]).transpose(0, 1)           # [H, M, D], unified order
@@ -68,5 +77,4 @@ def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
     theta = torch.exp(log_theta.masked_fill(~off_diagonal, float("-inf")))
     if include_self:
         theta = theta + torch.diag_embed(log_m[:, :n].exp())
-    theta = theta.to(out_dtype)
-    return theta.squeeze(0) if single_head else theta
+    return theta

@@ -14,6 +14,7 @@ padded size (see :class:`~hsa_graph.TreeStructure`) go through one batched matmu
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -58,6 +59,14 @@ class _DenseGrad(torch.autograd.Function):
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` over the bucket layout ``[F, H, ...]``, with dense gradients."""
     return _DenseGrad.apply(torch.matmul(a, b))
+
+
+def no_autocast(device: torch.device):
+    """A context that turns autocast off on ``device``: HSA computes half-precision
+    inputs in float32 on purpose, and autocast would downcast its matmuls again."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def resolve_structure(tree, device: torch.device) -> TreeStructure:
@@ -267,6 +276,14 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    with no_autocast(q.device):
+        y = _hsa(st, q, k, v, include_self, scale, pos)
+    y = y.to(out_dtype)
+    return y.squeeze(1) if single_head else y
+
+
+def _hsa(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
+         scale: float, pos: Optional[Tensor]) -> Tensor:
     stats = hsa_statistics(st, q, k, include_self, scale, pos)
     rv = st.subtree_mean(v)
 
@@ -312,5 +329,4 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
         lonely = st.lonely_leaf
         own = acc[st.leaf_parent[lonely]] + m_leaf[lonely].unsqueeze(-1) * v[lonely]
         y = y.index_copy(0, lonely, own)
-    y = y.to(out_dtype)
-    return y.squeeze(1) if single_head else y
+    return y

@@ -1,0 +1,208 @@
+"""The HTE layer (paper figure 4), the pre-norm block and the encoder stack: their
+formulas, equivalence with torch's TransformerEncoderLayer on flat trees, shared
+position features, baselines, gradcheck, and training on real text (float32, bfloat16
+autocast, CUDA when present)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch_geometric.data import Batch
+from torch_geometric.loader import DataLoader
+
+from hsa_graph import NestedSignal, Node, hsa
+from hsa_graph.builders.text import WordTokenizer, text_trees
+from hsa_graph.datasets import load_pang_lee_sentences
+from hsa_graph.nn import (
+    HierarchicalTransformerEncoder,
+    HierarchicalTransformerEncoderLayer,
+    HSATransformerEncoderLayer,
+    global_leaf_pool,
+)
+
+DT = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-10}
+PARENT = [-1, 0, 0, 0, 1, 1, 2, 2, 2, 3, 4, 4]
+N_LEAVES = 7
+
+
+def randomise_norms(module):
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.LayerNorm):
+                sub.weight.normal_()
+                sub.bias.normal_()
+
+
+def test_hte_layer_is_figure_4():
+    """LN after the per-modality projection (q, k, v), HSA per head plus the query,
+    concat, linear, LN, FFN with a residual."""
+    torch.manual_seed(0)
+    modality = torch.tensor([0, 0, 1, 0, 1, 1, 0, 1, 0, 1, 1, 0])
+    tree = NestedSignal.from_parents(PARENT, modality=modality)
+    layer = HierarchicalTransformerEncoderLayer(8, heads=2, num_modalities=2).to(DT)
+    randomise_norms(layer)
+    attn = layer.attn
+    assert not attn.include_self and attn.query_residual  # the paper's defaults
+    x = torch.randn(N_LEAVES, 8, dtype=DT)
+    leaf_modality = modality[tree.leaf_index]
+    qkv = torch.stack([attn.qkv.weight[t] @ row + attn.qkv.bias[t]
+                       for row, t in zip(x, leaf_modality)])
+    q, k, v = qkv.view(N_LEAVES, 3, 2, 4).unbind(1)
+    q, k, v = attn.q_norm(q), attn.k_norm(k), attn.v_norm(v)
+    heads = hsa(q, k, v, tree, include_self=False) + q
+    h = layer.norm(attn.out_proj(heads.reshape(N_LEAVES, 8)))
+    torch.testing.assert_close(layer(x, tree), h + layer.ffn(h), **TOL)
+
+
+def test_pre_norm_layer_on_a_flat_tree_is_torch_transformer_layer():
+    torch.manual_seed(1)
+    c, heads, n = 8, 2, 6
+    ref = torch.nn.TransformerEncoderLayer(c, heads, dim_feedforward=16, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True, dtype=DT)
+    layer = HSATransformerEncoderLayer(c, heads, ffn_channels=16, qk_norm=False).to(DT)
+    with torch.no_grad():
+        layer.attn.qkv.weight[0].copy_(ref.self_attn.in_proj_weight)
+        layer.attn.qkv.bias[0].copy_(ref.self_attn.in_proj_bias)
+        layer.attn.out_proj.load_state_dict(ref.self_attn.out_proj.state_dict())
+        layer.norm1.load_state_dict(ref.norm1.state_dict())
+        layer.norm2.load_state_dict(ref.norm2.state_dict())
+        layer.ffn[0].load_state_dict(ref.linear1.state_dict())
+        layer.ffn[3].load_state_dict(ref.linear2.state_dict())
+    x = torch.randn(n, c, dtype=DT)
+    tree = NestedSignal.from_parents([-1] + [0] * n)
+    torch.testing.assert_close(layer(x, tree), ref(x[None])[0], **TOL)
+
+
+def test_encoder_shares_raw_position_features_across_layers():
+    torch.manual_seed(2)
+    tree = NestedSignal.from_nested({
+        "title": [torch.randn(6) for _ in range(3)],
+        "body": Node([[torch.randn(6) for _ in range(2)] for _ in range(2)], "grid"),
+        "refs": Node([torch.randn(6) for _ in range(3)], "graph", edges=[(0, 1), (1, 2)])})
+    encoder = HierarchicalTransformerEncoder(6, num_layers=2, heads=2, pos_dim=3).to(DT)
+    first, second = (layer.attn.pos_encoder for layer in encoder.layers)
+    assert first.field_names is second.field_names      # one field-name table
+    assert first.lins["sequence"] is not second.lins["sequence"]   # a projection per layer
+    x = tree.x.to(DT)
+    expected = encoder.layers[1](encoder.layers[0](x, tree), tree)   # each its own features
+    torch.testing.assert_close(encoder(x, tree), expected, **TOL)
+    assert set(first.vocabulary if hasattr(first, "vocabulary") else
+               first.field_names.vocabulary) == {"title", "body", "refs"}
+
+
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_baselines_on_the_same_code_path(layer):
+    torch.manual_seed(3)
+    tree = NestedSignal.from_parents(PARENT)
+    x = torch.randn(N_LEAVES, 8)
+    hier = HierarchicalTransformerEncoder(8, 2, heads=2, layer=layer, pos_dim=2)
+    flat = HierarchicalTransformerEncoder(8, 2, heads=2, layer=layer, pos_dim=2,
+                                          attention="flat")
+    deepset = HierarchicalTransformerEncoder(8, 2, heads=2, layer=layer, attention="none")
+    flat.load_state_dict(hier.state_dict())
+    deepset.load_state_dict(hier.state_dict(), strict=False)
+    from hsa_graph import flatten
+    torch.testing.assert_close(flat(x, tree), hier(x, flatten(tree)))
+    # DeepSet: a leaf's output depends on that leaf only
+    x2 = x.clone()
+    x2[1:] = torch.randn(N_LEAVES - 1, 8)
+    torch.testing.assert_close(deepset(x2, tree)[0], deepset(x, tree)[0])
+    assert not torch.allclose(hier(x2, tree)[0], hier(x, tree)[0])
+
+
+def test_gradcheck_hte_layer_float64():
+    torch.manual_seed(4)
+    tree = NestedSignal.from_parents(PARENT)
+    layer = HierarchicalTransformerEncoderLayer(4, heads=2, ffn_channels=6, pos_dim=2).to(DT)
+    x = torch.randn(N_LEAVES, 4, dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: layer(x, tree), (x,))
+
+
+def test_reset_parameters_and_repr():
+    encoder = HierarchicalTransformerEncoder(8, num_layers=2, heads=2, pos_dim=4)
+    before = encoder.layers[1].ffn[0].weight.clone()
+    encoder.reset_parameters()
+    assert not torch.equal(before, encoder.layers[1].ffn[0].weight)
+    assert repr(encoder) == ("HierarchicalTransformerEncoder(8, num_layers=2, heads=2, "
+                             "layer='hte', attention='hierarchical', pos_dim=4)")
+    assert repr(encoder.layers[0]) == ("HierarchicalTransformerEncoderLayer(8, heads=2, "
+                                       "attention='hierarchical', pos_dim=4, num_modalities=1)")
+    with pytest.raises(ValueError, match="layer must be one of"):
+        HierarchicalTransformerEncoder(8, 2, layer="post_norm")
+
+
+# ------------------------------------------------------------ training, real text
+@pytest.fixture(scope="module")
+def sentences():
+    """96 labelled snippets of Pang & Lee's sentence polarity data, as text trees
+    with hashed ids into a small table."""
+    data = load_pang_lee_sentences()
+    data = data[:48] + data[-48:]  # both classes
+    trees = text_trees([text for text, _ in data],
+                       tokenizer=WordTokenizer(num_buckets=4096)).to_data_list()
+    for tree, (_, label) in zip(trees, data):
+        tree.y = torch.tensor([label])
+        del tree.tokens, tree.span
+    return trees
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, layer: str = "hte"):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4096, 16)
+        self.encoder = HierarchicalTransformerEncoder(16, 2, heads=2, layer=layer, pos_dim=4)
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, batch):
+        x = self.encoder(self.embed(batch.x), batch)
+        return self.head(global_leaf_pool(x, batch))
+
+
+def train_steps(trees, device: str = "cpu", autocast_dtype=None, layer: str = "hte",
+                steps: int = 12):
+    torch.manual_seed(5)
+    model = Classifier(layer).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = next(iter(DataLoader(trees, batch_size=len(trees)))).to(device)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = F.cross_entropy(model(batch), batch.y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_training_float32_lowers_the_loss(sentences, layer):
+    losses = train_steps(sentences, layer=layer)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_training_bfloat16_autocast_lowers_the_loss(sentences):
+    losses = train_steps(sentences, autocast_dtype=torch.bfloat16)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_dataloader_batches_match_single_trees(sentences):
+    torch.manual_seed(6)
+    model = Classifier().eval()
+    batch = next(iter(DataLoader(sentences[:5], batch_size=5)))
+    assert isinstance(batch, Batch)
+    together = model(batch)
+    alone = torch.cat([model(Batch.from_data_list([tree])) for tree in sentences[:5]])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+def test_training_on_cuda(sentences, autocast_dtype):
+    losses = train_steps(sentences, device="cuda", autocast_dtype=autocast_dtype)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0]
