@@ -1,7 +1,6 @@
 r"""Multi-head Hierarchical Self-Attention with learnable projections."""
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -10,7 +9,7 @@ from torch import Tensor
 from torch.nn import LayerNorm, Linear, Module
 
 from ..geometry import PositionEncoder
-from ..ops.hsa import hsa
+from ..ops.hsa import hsa, no_autocast
 from ..signal import flatten
 from .linear import ModalityLinear
 
@@ -237,7 +236,7 @@ class HSAttention(Module):
             # float32 attention (float64 for float64 inputs), whatever autocast says:
             # autocast would otherwise run HSA's matmuls in half precision.
             dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-            with _no_autocast(x.device.type):
+            with no_autocast(x.device):
                 y = hsa(q.to(dtype), k.to(dtype), v.to(dtype), target,
                         include_self=self.include_self, scale=self.scale,
                         pos=None if embeddings is None else embeddings.to(dtype))
@@ -285,11 +284,3 @@ def _structure(tree, x: Tensor):
         raise TypeError(f"tree must be a NestedSignal or a PyG Batch of them, got "
                         f"{type(tree).__name__}")
     return structure_for(x.device)
-
-
-def _no_autocast(device_type: str):
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except (TypeError, RuntimeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()

@@ -64,9 +64,11 @@ def _bmm(a: Tensor, b: Tensor) -> Tensor:
 def no_autocast(device: torch.device):
     """A context that turns autocast off on ``device``: HSA computes half-precision
     inputs in float32 on purpose, and autocast would downcast its matmuls again."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except (TypeError, RuntimeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def resolve_structure(tree, device: torch.device) -> TreeStructure:
