@@ -2,11 +2,12 @@
 
 Builds nested signals from
 
-* the Gettysburg Address (``examples/data/gettysburg.txt``, public domain):
-  document -> paragraphs -> sentences -> word tokens, each token a hashed
-  character-trigram vector;
+* the Gettysburg Address (``examples/data/gettysburg.txt``, public domain), with
+  :func:`~hsa_graph.builders.text_tree`: document -> paragraphs -> sentences -> word
+  tokens, each token a hashed character-trigram vector;
 * Grace Hopper's portrait shipped with matplotlib (``grace_hopper.jpg``), resized to
-  128 x 128: a quadtree over 8 x 8 patches of 16 x 16 pixels (a grid of grids);
+  128 x 128, with :func:`~hsa_graph.builders.image_tree`: a quadtree over 8 x 8 patches
+  of 16 x 16 pixels (a grid of grids), each patch a fixed random projection;
 * a key-value document ``{"text": ..., "image": ...}`` holding both,
 
 runs HSA on each (4 heads of 16, fixed random projections, float64) and prints
@@ -18,7 +19,6 @@ Run: ``python examples/main.py``
 """
 from __future__ import annotations
 
-import re
 import time
 import zlib
 from pathlib import Path
@@ -30,7 +30,8 @@ from PIL import Image
 from torch.nn.functional import scaled_dot_product_attention
 
 import hsa_graph
-from hsa_graph import NestedSignal, Node
+from hsa_graph import NestedSignal
+from hsa_graph.builders import image_tree, text_tree
 
 DATA = Path(__file__).parent / "data"
 FEATURES, HEADS, HEAD_DIM = 64, 4, 16
@@ -46,28 +47,16 @@ def trigram_vector(token: str, dim: int = FEATURES) -> np.ndarray:
     return vector / max(1, len(padded) - 2)
 
 
-def text_tree(text: str) -> list:
-    """paragraphs (blank lines) -> sentences -> word tokens, as nested lists."""
-    paragraphs = [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
-    return [[[trigram_vector(tok) for tok in re.findall(r"\w+(?:[-']\w+)*|[^\w\s]", sentence)]
-             for sentence in re.split(r"(?<=[.!?])\s+", paragraph) if sentence]
-            for paragraph in paragraphs]
+def embed_tokens(tokens: list) -> torch.Tensor:
+    return torch.from_numpy(np.stack([trigram_vector(token) for token in tokens]))
 
 
-def image_quadtree(image: np.ndarray, patch: int = 16) -> Node:
-    """An ``H x W x C`` image as a grid of 2 x 2 grids of ... of patches."""
-    rows, cols = image.shape[0] // patch, image.shape[1] // patch
-    rng = np.random.default_rng(0)
-    projection = rng.standard_normal((patch * patch * image.shape[2], FEATURES)) / 64
-    patches = (image[: rows * patch, : cols * patch]
-               .reshape(rows, patch, cols, patch, -1).transpose(0, 2, 1, 3, 4)
-               .reshape(rows, cols, -1) @ projection)
-    grid = [[patches[r, c] for c in range(cols)] for r in range(rows)]
-    while len(grid) > 2:  # group 2 x 2 blocks of cells into regions
-        grid = [[Node([[grid[2 * r][2 * c], grid[2 * r][2 * c + 1]],
-                       [grid[2 * r + 1][2 * c], grid[2 * r + 1][2 * c + 1]]], "grid")
-                 for c in range(len(grid[0]) // 2)] for r in range(len(grid) // 2)]
-    return Node(grid, "grid", modality=1)
+def embed_patches(patches: torch.Tensor) -> torch.Tensor:
+    """Flattened 16 x 16 x 3 patches through a fixed random projection to FEATURES."""
+    flat = torch.as_tensor(patches, dtype=torch.float64).reshape(len(patches), -1)
+    projection = torch.from_numpy(
+        np.random.default_rng(0).standard_normal((flat.shape[1], FEATURES)) / 64)
+    return flat @ projection
 
 
 def report(name: str, tree: NestedSignal) -> dict:
@@ -109,11 +98,13 @@ def main() -> None:
     with cbook.get_sample_data("grace_hopper.jpg") as handle:
         image = np.asarray(Image.open(handle).convert("RGB").resize((128, 128))) / 255.0
 
+    text_signal = text_tree(text, embed=embed_tokens, embed_input="tokens")
+    image_signal = image_tree(image, 16, quadtree=True, embed=embed_patches)
     signals = {
-        "text (Gettysburg Address)": NestedSignal.from_nested(text_tree(text)),
-        "image (Grace Hopper, 128x128)": NestedSignal.from_nested(image_quadtree(image)),
-        "document {text, image}": NestedSignal.from_nested(
-            {"text": text_tree(text), "image": image_quadtree(image)}),
+        "text (Gettysburg Address)": text_signal,
+        "image (Grace Hopper, 128x128)": image_signal,
+        "document {text, image}": NestedSignal.join(
+            [text_signal, image_signal], "keyvalue", keys=["text", "image"]),
     }
     rows = [report(name, tree) for name, tree in signals.items()]
     columns = list(rows[0])
