@@ -12,14 +12,13 @@ Writes PNGs to ``examples/output/``:
 * ``document_tree.png``: ``{"text": ..., "image": ...}`` as one key-value document,
   coloured by modality.
 
-The trees are built with small local helpers (a regex splitter and hashed trigrams,
-as in ``examples/main.py``), independent of the package's builders.
+The trees are built with the package's builders (``text_tree`` with hashed trigram
+vectors per token, ``image_tree`` with a quadtree), as in ``examples/main.py``.
 
 Run: ``python examples/pictures.py``
 """
 from __future__ import annotations
 
-import re
 import time
 import zlib
 from pathlib import Path
@@ -30,7 +29,8 @@ from matplotlib import cbook
 from PIL import Image
 
 import hsa_graph
-from hsa_graph import NestedSignal, Node
+from hsa_graph import NestedSignal
+from hsa_graph.builders import image_tree, text_tree
 from hsa_graph.geometry import PositionEncoder
 from hsa_graph.viz import draw_tree, plot_attention
 
@@ -48,45 +48,36 @@ def trigram_vector(token: str, dim: int = FEATURES) -> np.ndarray:
     return vector / max(np.linalg.norm(vector), 1e-12)
 
 
-def split_text(text: str) -> list:
-    """paragraphs (blank lines) -> sentences (after . ! ?) -> word and punctuation tokens."""
-    paragraphs = [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
-    return [[re.findall(r"\w+(?:[-']\w+)*|[^\w\s]", sentence)
-             for sentence in re.split(r"(?<=[.!?])\s+", paragraph) if sentence.strip()]
-            for paragraph in paragraphs]
-
-
 def text_signal(text: str):
-    """The text's nested signal and a label per node (words on leaves, P1/S1.2 above)."""
-    paragraphs = split_text(text)
-    tree = NestedSignal.from_nested(
-        [[[trigram_vector(tok) for tok in sentence] for sentence in paragraph]
-         for paragraph in paragraphs], modality=0)
-    # from_nested numbers nodes depth-first, so the labels follow the same walk.
-    labels = ["document"]
-    for p, paragraph in enumerate(paragraphs, 1):
-        labels.append(f"P{p}")
-        for s, sentence in enumerate(paragraph, 1):
-            labels.append(f"S{p}.{s}")
-            labels.extend(sentence)
+    """The text's nested signal (:func:`~hsa_graph.builders.text_tree`, token vectors
+    from hashed trigrams) and a label per node (words on leaves, P1 / S1.2 above)."""
+    tree = text_tree(text, embed_input="tokens", embed=lambda tokens: torch.from_numpy(
+        np.stack([trigram_vector(token) for token in tokens])))
+    parent, index = tree.parent.tolist(), tree.position[:, 0].tolist()
+    is_leaf, words = tree.is_leaf.tolist(), iter(tree.tokens)
+    labels = []
+    for u, p in enumerate(parent):  # labels only: a few hundred nodes
+        if p < 0:
+            labels.append("document")
+        elif parent[p] < 0:
+            labels.append(f"P{index[u] + 1}")
+        elif is_leaf[u]:
+            labels.append(next(words))
+        else:
+            labels.append(f"S{index[p] + 1}.{index[u] + 1}")
     return tree, labels
 
 
-def image_quadtree(image: np.ndarray, patch: int = 16) -> Node:
-    """An ``H x W x C`` image as a grid of 2 x 2 grids of ... of patch vectors."""
-    rows, cols = image.shape[0] // patch, image.shape[1] // patch
-    projection = np.random.default_rng(0).standard_normal((patch * patch * image.shape[2],
-                                                           FEATURES)) / 64
-    patches = (image[: rows * patch, : cols * patch]
-               .reshape(rows, patch, cols, patch, -1).transpose(0, 2, 1, 3, 4)
-               .reshape(rows, cols, -1) @ projection)
-    patches = patches - patches.mean((0, 1))  # centred, so similar patches align
-    grid = [[patches[r, c] for c in range(cols)] for r in range(rows)]
-    while len(grid) > 2:  # group 2 x 2 blocks of cells into regions
-        grid = [[Node([[grid[2 * r][2 * c], grid[2 * r][2 * c + 1]],
-                       [grid[2 * r + 1][2 * c], grid[2 * r + 1][2 * c + 1]]], "grid")
-                 for c in range(len(grid[0]) // 2)] for r in range(len(grid) // 2)]
-    return Node(grid, "grid", modality=1)
+def image_signal(image: np.ndarray, patch: int = 16) -> NestedSignal:
+    """An ``H x W x C`` image as a quadtree of patches (:func:`~hsa_graph.builders.image_tree`),
+    each patch a fixed random projection, centred so that similar patches align."""
+    def embed(patches) -> torch.Tensor:
+        flat = torch.as_tensor(patches, dtype=torch.float64).reshape(len(patches), -1)
+        projection = torch.from_numpy(
+            np.random.default_rng(0).standard_normal((flat.shape[1], FEATURES)) / 64)
+        vectors = flat @ projection
+        return vectors - vectors.mean(0)
+    return image_tree(image, patch, quadtree=True, embed=embed)
 
 
 def queries_and_keys(tree: NestedSignal, temperature: float):
@@ -103,44 +94,44 @@ def main() -> None:
     with cbook.get_sample_data("grace_hopper.jpg") as handle:
         image = np.asarray(Image.open(handle).convert("RGB").resize((128, 128))) / 255.0
 
-    text_tree, labels = text_signal(text)
-    image_tree = NestedSignal.from_nested(image_quadtree(image))
-    document = NestedSignal.join([text_tree, image_tree], "keyvalue", keys=["text", "image"])
+    words_tree, labels = text_signal(text)
+    picture_tree = image_signal(image)
+    document = NestedSignal.join([words_tree, picture_tree], "keyvalue", keys=["text", "image"])
     written = []
 
     start = time.perf_counter()
-    draw_tree(text_tree, OUTPUT / "text_tree.png", labels=labels,
+    draw_tree(words_tree, OUTPUT / "text_tree.png", labels=labels,
               title="Gettysburg Address: document > paragraphs > sentences > words")
-    q, k = queries_and_keys(text_tree, temperature=48.0)
-    plot_attention(q, k, text_tree, OUTPUT / "text_attention.png",
+    q, k = queries_and_keys(words_tree, temperature=48.0)
+    plot_attention(q, k, words_tree, OUTPUT / "text_attention.png",
                    title="Gettysburg Address, q = k = word trigram vectors: HSA vs flat "
                          "attention (boxes: paragraphs and sentences)")
     written += ["text_tree.png", "text_attention.png"]
 
     # each node labelled with its (row, col) in its parent's grid
-    cells = {u: f"({r},{c})" for u, (r, c) in enumerate(image_tree.position.tolist()) if u}
-    draw_tree(image_tree, OUTPUT / "image_tree.png", labels=cells,
+    cells = {u: f"({r},{c})" for u, (r, c) in enumerate(picture_tree.position.tolist()) if u}
+    draw_tree(picture_tree, OUTPUT / "image_tree.png", labels=cells,
               title="Grace Hopper, 128 x 128: quadtree of 8 x 8 patches of 16 x 16 pixels, "
                     "(row, col) in the parent grid")
-    q, k = queries_and_keys(image_tree, temperature=48.0)
+    q, k = queries_and_keys(picture_tree, temperature=48.0)
     # grid positions enter the logits through a (randomly initialised) position encoder
-    pos = PositionEncoder(16, kind="sinusoidal", dim=16)(image_tree).detach()
-    plot_attention(q, k, image_tree, OUTPUT / "image_attention.png", pos=pos,
+    pos = PositionEncoder(16, kind="sinusoidal", dim=16)(picture_tree).detach()
+    plot_attention(q, k, picture_tree, OUTPUT / "image_attention.png", pos=pos,
                    title="Grace Hopper patches, q = k = patch vectors, with grid positions: "
                          "HSA vs flat attention (boxes: quadtree regions)")
     written += ["image_tree.png", "image_attention.png"]
 
     draw_tree(document, OUTPUT / "document_tree.png", color_by="modality",
               modality_names={0: "text", 1: "image"},
-              labels={0: "document", 1: "text", int(text_tree.num_nodes) + 1: "image"},
+              labels={0: "document", 1: "text", int(words_tree.num_nodes) + 1: "image"},
               title='{"text": Gettysburg Address, "image": Grace Hopper} by modality')
     written.append("document_tree.png")
     elapsed = time.perf_counter() - start
 
     for name in written:
         print(f"wrote {OUTPUT / name} ({(OUTPUT / name).stat().st_size // 1024} KiB)")
-    print(f"{len(written)} pictures in {elapsed:.1f} s; text: {text_tree.num_nodes} nodes, "
-          f"image: {image_tree.num_nodes} nodes, document: {document.num_nodes} nodes; "
+    print(f"{len(written)} pictures in {elapsed:.1f} s; text: {words_tree.num_nodes} nodes, "
+          f"image: {picture_tree.num_nodes} nodes, document: {document.num_nodes} nodes; "
           f"hsa_graph {hsa_graph.__version__}")
 
 
