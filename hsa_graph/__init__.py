@@ -18,6 +18,9 @@ from .builders import (
     website_tree,
 )
 from .geometry import FieldNameEmbedding, PositionEncoder
+from .ops.cache import HSACache
+from .ops.causal import causal_hsa
+from .ops.cross import cross_hsa
 from .ops.dense import hsa_weights
 from .ops.hsa import hsa
 from .signal import GEOMETRIES, NestedSignal, Node, flatten
@@ -38,9 +41,12 @@ __all__ = [
     "text_trees",
     "website_tree",
     "FamilyBucket",
+    "HSACache",
     "NestedSignal",
     "Node",
     "TreeStructure",
+    "causal_hsa",
+    "cross_hsa",
     "flatten",
     "hsa",
     "hsa_weights",

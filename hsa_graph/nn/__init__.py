@@ -11,6 +11,7 @@ r"""Neural modules around HSA: attention layer, transformer layers, pooling.
   tree, per node (internal nodes included), and local pooling into parents.
 """
 from .attention import ATTENTIONS, HSAttention, attention_tree
+from .causal import CausalDecoderLayer, CausalHSAttention, HierarchicalCausalLM
 from .encoder import (
     HierarchicalTransformerEncoder,
     HierarchicalTransformerEncoderLayer,
@@ -21,6 +22,9 @@ from .pool import PooledTree, global_leaf_pool, pool_leaves, subtree_pool
 
 __all__ = [
     "ATTENTIONS",
+    "CausalDecoderLayer",
+    "CausalHSAttention",
+    "HierarchicalCausalLM",
     "HSAttention",
     "HSATransformerEncoderLayer",
     "HierarchicalTransformerEncoder",
