@@ -12,6 +12,7 @@ r"""Neural modules around HSA: attention layer, transformer layers, pooling.
 """
 from .attention import ATTENTIONS, HSAttention, attention_tree
 from .causal import CausalDecoderLayer, CausalHSAttention, HierarchicalCausalLM
+from .classifier import TreeClassifier, attention_flops
 from .encoder import (
     HierarchicalTransformerEncoder,
     HierarchicalTransformerEncoderLayer,
@@ -31,6 +32,8 @@ __all__ = [
     "HierarchicalTransformerEncoderLayer",
     "ModalityLinear",
     "PooledTree",
+    "TreeClassifier",
+    "attention_flops",
     "attention_tree",
     "global_leaf_pool",
     "pool_leaves",
