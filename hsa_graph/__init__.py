@@ -6,7 +6,7 @@ The public names of SPEC.md section 4::
     y = hsa_graph.hsa(q, k, v, tree, include_self=True, scale=None)
     theta = hsa_graph.hsa_weights(q, k, tree)
 """
-from . import nn
+from . import io, nn
 from .builders import (
     document_tree,
     hopping_window_forest,
@@ -50,5 +50,6 @@ __all__ = [
     "flatten",
     "hsa",
     "hsa_weights",
+    "io",
     "nn",
 ]

@@ -55,6 +55,15 @@ class NestedSignal(Data):
     Derived (not stored, computed once and cached): :attr:`parent`, :attr:`is_leaf`,
     :attr:`structure`.
 
+    Batching (``Batch.from_data_list``) is PyG's collate, which needs every tree to
+    carry the same attributes: ``x`` on all trees or on none, of one rank and
+    trailing shape (token ids ``[N]`` and vectors ``[N, F]`` do not mix; torch then
+    reports "Tensors must have same number of dimensions"), and the same builder
+    extras (a ``text_tree`` with ``tokens`` and ``span`` does not batch with an
+    ``image_tree``: PyG raises ``KeyError: 'tokens'``). Compose such trees with
+    :meth:`join` or :func:`~hsa_graph.builders.document_tree` instead, or delete
+    the extras first.
+
     Example:
         >>> tree = NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2], x=torch.randn(5, 4))
         >>> tree.num_leaves, tree.parent.tolist()
@@ -177,10 +186,21 @@ class NestedSignal(Data):
             modality = _as_long_tensor(modality, "modality")
             if modality.shape != (m,):
                 raise ValueError(f"modality must have shape [{m}], got {tuple(modality.shape)}")
+            if modality.numel() and int(modality.min()) < 0:
+                u = int((modality < 0).nonzero()[0])
+                raise ValueError(f"node {u} has modality {int(modality[u])}; modality tags "
+                                 "are non-negative ints (they index per-modality weights)")
         if key is not None:
+            if isinstance(key, (str, bytes)):  # list("title") would split it silently
+                raise TypeError(f"key must be a sequence of one str or None per node, "
+                                f"got the {type(key).__name__} {key!r:.40}")
             key = list(key)
             if len(key) != m:
                 raise ValueError(f"key must have one entry per node ({m}), got {len(key)}")
+            bad = [u for u, k in enumerate(key) if k is not None and not isinstance(k, str)]
+            if bad:  # keys must survive batching, to_networkx and hsa_graph.io as text
+                raise TypeError(f"key of node {bad[0]} is a {type(key[bad[0]]).__name__} "
+                                f"({key[bad[0]]!r:.40}); keys are str or None")
             parent_geometry = torch.where(has_parent, geometry[parent.clamp_min(0)], LEAF)
             for u in (parent_geometry == _CODE["keyvalue"]).nonzero().flatten().tolist():
                 if not isinstance(key[u], str):
@@ -243,6 +263,9 @@ class NestedSignal(Data):
         """
         if not isinstance(graph, nx.Graph):
             raise TypeError(f"expected a networkx graph, got {type(graph).__name__}")
+        if graph.is_multigraph():
+            raise TypeError("a multigraph is not a tree (a tree has at most one edge between "
+                            "two nodes): convert it with nx.DiGraph(G) first")
         if order not in ("graph", "position"):
             raise ValueError(f"order must be 'graph' or 'position', got {order!r}")
         if graph.number_of_nodes() == 0:
@@ -381,6 +404,20 @@ class NestedSignal(Data):
                 ``grid`` required ``(row, col)`` pairs).
             sibling_edges: for ``graph``: pairs ``(i, j)`` of child indices.
             modality: the root's modality tag (default 0).
+
+        Builder attributes that every child carries are kept: per-node ones
+        (a tensor or list with one entry per node, e.g. ``span``) get a filler entry
+        for the new root (``-1`` for integer tensors, ``0`` for floating ones, ``None``
+        in lists); per-leaf ones (one entry per leaf, e.g. ``tokens``) are
+        concatenated. Attributes missing from some child, or of another size, are
+        dropped. When every child is a single node (so per-node and per-leaf sizes
+        agree), tensors are taken as per-node and lists as per-leaf.
+
+        Example:
+            >>> from hsa_graph.builders import text_tree
+            >>> doc = NestedSignal.join([text_tree("A b."), text_tree("C.")])
+            >>> doc.tokens, doc.span[:2].tolist()   # spans stay offsets into each text
+            (['A', 'b', '.', 'C', '.'], [[-1, -1], [0, 4]])
         """
         children = list(children)
         if not children:
@@ -444,7 +481,49 @@ class NestedSignal(Data):
             position=torch.cat([root_position] + position_rows),
             modality=torch.cat([root_modality] + modalities),
             key=[None] + key_list,
-            sibling_edge_index=torch.cat(sib, 1) if sib else None)
+            sibling_edge_index=torch.cat(sib, 1) if sib else None,
+            **_joined_extras(children))
+
+
+#: Attributes every NestedSignal has; :meth:`NestedSignal.join` rebuilds these itself.
+_CORE_ATTRS = frozenset({"x", "edge_index", "geometry", "position", "modality", "key",
+                         "sibling_edge_index", "num_nodes"})
+
+
+def _joined_extras(children: List[NestedSignal]) -> Dict[str, Any]:
+    """The builder attributes (``tokens``, ``span``...) of ``children`` laid out for
+    the tree :meth:`NestedSignal.join` builds (its new root is node 0)."""
+    names = set(children[0].keys()) - _CORE_ATTRS
+    for child in children[1:]:
+        names &= set(child.keys())
+    out: Dict[str, Any] = {}
+    for name in sorted(names):
+        values = [child[name] for child in children]
+        is_tensor = all(isinstance(v, Tensor) and v.dim() >= 1 for v in values)
+        is_list = all(isinstance(v, list) for v in values)
+        if not (is_tensor or is_list):
+            continue
+        if is_tensor and any(v.shape[1:] != values[0].shape[1:] or v.dtype != values[0].dtype
+                             for v in values):
+            continue
+        sizes = [len(v) for v in values]
+        per_node = sizes == [c.num_nodes for c in children]
+        per_leaf = sizes == [c.num_leaves for c in children]
+        if per_node and per_leaf:  # single-node children: see join's docstring
+            per_node = is_tensor
+        if per_node and is_tensor:
+            first = values[0]
+            fill = 0 if first.is_floating_point() or first.dtype == torch.bool else -1
+            root = torch.full((1, *first.shape[1:]), fill, dtype=first.dtype,
+                              device=first.device)
+            out[name] = torch.cat([root] + [v.to(first.device) for v in values])
+        elif per_node:
+            out[name] = [None] + [item for v in values for item in v]
+        elif per_leaf and is_tensor:
+            out[name] = torch.cat([v.to(values[0].device) for v in values])
+        elif per_leaf:
+            out[name] = [item for v in values for item in v]
+    return out
 
 
 @dataclass
@@ -480,9 +559,22 @@ class _NestedBuilder:
         self.root_modality = modality
 
     def walk(self, data: Any) -> None:
-        stack = [(data, -1, (-1, -1), None, self.root_modality, "root")]
+        stack: List[Any] = [(data, -1, (-1, -1), None, self.root_modality, "root")]
+        # ids of the containers on the current path: a container met again inside
+        # itself is a cycle (shared, acyclic sub-objects are fine and are copied).
+        open_ids: set = set()
         while stack:
-            item, parent, pos, key, modality, path = stack.pop()
+            entry = stack.pop()
+            if len(entry) == 1:  # the end of a container's subtree
+                open_ids.discard(entry[0])
+                continue
+            item, parent, pos, key, modality, path = entry
+            if isinstance(item, (list, tuple, dict, Node)):
+                if id(item) in open_ids:
+                    raise ValueError(f"cycle at {path}: this {type(item).__name__} contains "
+                                     "itself, so the data is not a tree")
+                open_ids.add(id(item))
+                stack.append((id(item),))
             u = len(self.parent)
             self.parent.append(parent)
             self.position.append(pos)
@@ -621,6 +713,8 @@ def _geometry_codes(geometry: Any, is_leaf: Tensor) -> Tensor:
         code = _geometry_code(geometry, "geometry")
         return torch.where(is_leaf, LEAF, code).long()
     if isinstance(geometry, Tensor):
+        if geometry.is_floating_point() or geometry.is_complex() or geometry.dtype == torch.bool:
+            raise TypeError(f"geometry codes must be integers, got dtype {geometry.dtype}")
         codes = geometry.long()
     else:
         geometry = list(geometry)
@@ -701,7 +795,12 @@ def _stack_leaves(values: List[Any], where: Iterable[Any]) -> Optional[Tensor]:
     if not values:
         return None
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        return torch.tensor([int(v) for v in values], dtype=torch.long)
+        ids = [int(v) for v in values]
+        big = [(v, w) for v, w in zip(ids, where) if not -2 ** 63 <= v < 2 ** 63]
+        if big:
+            raise ValueError(f"leaf at {big[0][1]} is the int {big[0][0]}, outside the int64 "
+                             "range of token ids")
+        return torch.tensor(ids, dtype=torch.long)
     if all(isinstance(v, Tensor) and v.dim() == 0 for v in values):  # scalars / token ids
         return torch.stack(values)
     tensors = []

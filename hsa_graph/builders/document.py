@@ -39,7 +39,8 @@ children share, or ``mixed_modality`` (default 0) when they differ.
 **Edge cases.** Field names must be ``str`` (``TypeError`` otherwise: ``str()``-ing
 them could silently merge ``1`` and ``"1"``). Empty dicts, lists, sets and ``Node``
 children raise ``ValueError``; values of any other type (``None``, numbers, bytes...)
-raise ``TypeError``; both name the path of the field, e.g. ``root.body[2]``. Errors
+raise ``TypeError``; both name the path of the field, e.g. ``root.body[2]``; so does
+the ``ValueError`` for a container that contains itself (a cycle). Errors
 raised by the text or image builder are re-raised with the field path in front.
 Attributes a builder stores beyond the standard ``NestedSignal`` fields (e.g. the text
 builder's ``tokens`` and ``span``) are not carried into a composed document.
@@ -130,9 +131,22 @@ class _Document:
 
     # ---------------------------------------------------------------- walking
     def walk(self, data: Any) -> None:
-        stack = [(data, -1, (-1, -1), None, None, None)]
+        stack: List[Any] = [(data, -1, (-1, -1), None, None, None)]
+        # ids of the containers on the current path: meeting one again inside itself
+        # is a cycle (shared, acyclic sub-objects are fine and are copied).
+        open_ids: set = set()
         while stack:
-            value, parent, pos, key, override, path = stack.pop()
+            entry = stack.pop()
+            if len(entry) == 1:  # the end of a container's subtree
+                open_ids.discard(entry[0])
+                continue
+            value, parent, pos, key, override, path = entry
+            if isinstance(value, (Node, Mapping, list, tuple)):
+                if id(value) in open_ids:
+                    raise ValueError(f"{_render(path)}: cycle: this {type(value).__name__} "
+                                     "contains itself, so the document is not a tree")
+                open_ids.add(id(value))
+                stack.append((id(value),))
             node = self.count
             if parent in self.children_ids:  # a child of a graph node
                 self.children_ids[parent].append(node)
@@ -175,6 +189,9 @@ class _Document:
                                          or not isinstance(override, (int, np.integer))):
                 raise TypeError(f"{_render(path)}: Node modality must be an int, got "
                                 f"{override!r}")
+            if override is not None and override < 0:
+                raise ValueError(f"{_render(path)}: Node modality must be >= 0, got "
+                                 f"{override!r}")
             if list(value.edges) and geometry != "graph":
                 raise ValueError(f"{_render(path)}: edges are only for graph nodes, this "
                                  f"Node is {geometry!r}")
@@ -387,7 +404,8 @@ def document_tree(
 
     Raises:
         TypeError: an unsupported value or a non-str field name (naming its path).
-        ValueError: an empty container, a builder's error, leaves of different widths.
+        ValueError: an empty container, a cycle, a builder's error, leaves of different
+            widths, a negative modality tag.
 
     Example:
         >>> from hsa_graph.builders.image import image_tree
@@ -405,6 +423,8 @@ def document_tree(
                       ("mixed_modality", mixed_modality)):
         if tag is not None and (isinstance(tag, bool) or not isinstance(tag, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {tag!r}")
+        if tag is not None and tag < 0:
+            raise ValueError(f"{name} must be >= 0, got {tag!r}")
     document = _Document(text, image, text_modality, image_modality, mixed_modality)
     document.walk(fields)
     return document.build()

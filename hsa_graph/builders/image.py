@@ -41,6 +41,11 @@ __all__ = ["image_tree"]
 _SCALE = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0}
 
 
+#: Padding may always reach this many values (a small image in one big patch); beyond
+#: it, at most twice the image.
+_MAX_PADDED = 2 ** 24
+
+
 def _as_tensor(image: Any) -> Tensor:
     """A tensor view of ``image`` (torch, numpy, PIL image or nested lists), dtype
     checked: ``uint8``/``uint16`` or floating point."""
@@ -162,8 +167,10 @@ def image_tree(
     Raises:
         TypeError: bool, object, complex, str, signed integer dtypes; non-array input.
         ValueError: not 2 or 3 dimensions, 0 or more than 4 channels, an empty image,
-            ``fit="crop"`` on an image smaller than a patch, a bad ``patch_size``,
-            ``region``, ``fit`` or ``embed`` output.
+            ``fit="crop"`` on an image smaller than a patch, padding that would need
+            more than ``max(2 ** 24, 2 * H * W * C)`` values (a patch far larger than
+            the image), a bad ``patch_size``, ``region``, ``fit``, ``modality`` or
+            ``embed`` output.
 
     Example:
         >>> image = torch.rand(40, 50, 3)             # H x W x C
@@ -181,6 +188,10 @@ def image_tree(
         raise ValueError(f"region must be an int >= 2, got {region!r}")
     if fit not in ("pad", "crop"):
         raise ValueError(f"fit must be 'pad' or 'crop', got {fit!r}")
+    if isinstance(modality, bool) or not isinstance(modality, numbers.Integral) or modality < 0:
+        raise ValueError(f"modality must be a non-negative int, got {modality!r}")
+    if isinstance(pad_value, bool) or not isinstance(pad_value, numbers.Real):
+        raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
     pixels = _as_tensor(image)
     if pixels.dim() == 2:
         pixels = pixels.unsqueeze(0 if channels_first else -1)
@@ -209,6 +220,12 @@ def image_tree(
     else:
         rows, cols = -(-height // ph), -(-width // pw)
     out_h, out_w = rows * ph, cols * pw
+    padded_size = out_h * out_w * (channels + int(mask_channel))
+    if padded_size > max(_MAX_PADDED, 2 * pixels.numel()):
+        # a patch far larger than the image would allocate the padding (and crash)
+        raise ValueError(f"padding the {height} x {width} image to whole {ph} x {pw} patches "
+                         f"needs {padded_size:,} values, more than twice the image; use a "
+                         "smaller patch_size")
     if mask_channel:
         pixels = torch.cat([pixels, torch.ones_like(pixels[..., :1])], -1)
     if out_h > height or out_w > width:

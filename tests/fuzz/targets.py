@@ -1,0 +1,417 @@
+"""Fuzz targets: a hypothesis strategy of random and adversarial inputs per public
+entry point, and a check that the entry point either raises a documented error
+(``ValueError`` / ``TypeError`` with a message) or returns a correct tree.
+
+Correctness is checked independently of the library: parent arrays are validated in
+plain Python, leaves and tokens must come back in order, image pixels must be the
+patches, and on small trees ``hsa`` must equal the dense reference of tests/reference.py
+(float64). The CI tests (test_fuzz.py) and ``benchmarks/fuzz.py`` run the same
+targets, with few and with many examples.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import networkx as nx
+import numpy as np
+import torch
+from hsa_trees import parent_arrays
+from hypothesis import strategies as st
+from reference import dense_hsa
+
+import hsa_graph
+import hsa_graph.io
+from hsa_graph import NestedSignal, Node, hsa
+from hsa_graph.builders import (
+    document_tree,
+    hopping_window_parents,
+    html_tree,
+    image_tree,
+    text_tree,
+)
+
+DOCUMENTED = (ValueError, TypeError)
+
+
+class Rejected(Exception):
+    """The input was refused with a documented error (counted, not a failure)."""
+
+
+def refuse(error: BaseException) -> None:
+    assert isinstance(error, DOCUMENTED), f"undocumented {type(error).__name__}: {error}"
+    assert str(error).strip(), f"{type(error).__name__} without a message"
+    raise Rejected(type(error).__name__) from error
+
+
+def call(fn: Callable, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except DOCUMENTED as error:
+        refuse(error)
+
+
+# ----------------------------------------------------------- independent checks
+def forest_problem(parent: List[Any]) -> str:
+    """Why a parent list is not a forest ('' when it is), in plain Python."""
+    m = len(parent)
+    if m == 0:
+        return "empty"
+    for u, p in enumerate(parent):
+        if not isinstance(p, int) or not (p == -1 or 0 <= p < m):
+            return f"range {u}"
+    state = [0] * m  # 0 new, 1 on the current walk, 2 reaches a root
+    for start in range(m):
+        walk, u = [], start
+        while u != -1 and state[u] == 0:
+            state[u] = 1
+            walk.append(u)
+            u = parent[u]
+        if u != -1 and state[u] == 1:
+            return f"cycle {u}"
+        for w in walk:
+            state[w] = 2
+    return ""
+
+
+def check_tree(tree: NestedSignal, parent: List[int] = None, n_rows: int = None) -> None:
+    """The stored fields agree with each other and with ``parent`` (when given)."""
+    got = tree.parent.tolist()
+    if parent is not None:
+        assert got == list(parent)
+    assert forest_problem(got) == ""
+    m = len(got)
+    has_child = [False] * m
+    for p in got:
+        if p >= 0:
+            has_child[p] = True
+    leaves = [u for u in range(m) if not has_child[u]]
+    assert tree.leaf_index.tolist() == leaves
+    assert tree.num_leaves == len(leaves) == tree.structure.num_leaves
+    assert tree.structure.num_trees == got.count(-1)
+    assert [g == -1 for g in tree.geometry.tolist()] == [not h for h in has_child]
+    assert tree.position.shape == (m, 2) and tree.modality.shape == (m,)
+    assert len(tree.key) == m and int(tree.modality.min()) >= 0
+    if tree.get("x") is not None:
+        assert tree.x.shape[0] == len(leaves)
+    if n_rows is not None:
+        assert len(leaves) == n_rows
+
+
+def check_hsa(tree: NestedSignal, seed: int, scale_exp: int = 0, include_self: bool = True,
+              with_pos: bool = False) -> None:
+    """hsa equals the float64 dense reference, and is finite in float32 at large
+    logits (small trees only)."""
+    parent = tree.parent.tolist()
+    n, m = tree.num_leaves, len(parent)
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, n, 2, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(n, 2, 2, generator=g, dtype=torch.float64)
+    pos = torch.randn(m, 2, 2, generator=g, dtype=torch.float64) if with_pos else None
+    q = q * 10.0 ** scale_exp
+    y = hsa(q, k, v, tree, include_self=include_self, pos=pos)
+    ref = dense_hsa(parent, q, k, v, include_self=include_self, pos=pos)
+    torch.testing.assert_close(y, ref, rtol=1e-7, atol=1e-9)
+    y32 = hsa(q.float(), k.float(), v.float(), tree, include_self=include_self,
+              pos=None if pos is None else pos.float())
+    assert bool(torch.isfinite(y32).all())
+
+
+# ------------------------------------------------------------------ targets
+def hostile_parents():
+    """Valid forests, and the same with a random corruption: a cycle, a self-loop,
+    an index out of range, a float, an empty list."""
+    @st.composite
+    def draw(draw):
+        parent = list(draw(parent_arrays(24)))
+        kind = draw(st.sampled_from(["valid"] * 4 + ["cycle", "self", "range", "noise"]))
+        m = len(parent)
+        if kind == "cycle" and m >= 2:
+            a, b = draw(st.integers(0, m - 1)), draw(st.integers(0, m - 1))
+            parent[a], parent[b] = b, a
+        elif kind == "self":
+            u = draw(st.integers(0, m - 1))
+            parent[u] = u
+        elif kind == "range":
+            parent[draw(st.integers(0, m - 1))] = draw(st.sampled_from([m, m + 5, -2, -10**9]))
+        elif kind == "noise":
+            parent = draw(st.lists(st.integers(-2, m + 1), min_size=0, max_size=m))
+        return parent, draw(st.integers(0, 2**31)), draw(st.integers(-3, 4)), \
+            draw(st.booleans()), draw(st.booleans())
+    return draw()
+
+
+def run_parents(case) -> None:
+    parent, seed, scale_exp, include_self, with_pos = case
+    problem = forest_problem(parent)
+    try:
+        tree = NestedSignal.from_parents(parent)
+    except DOCUMENTED as error:
+        assert problem, f"a valid forest was refused: {error}"
+        refuse(error)
+    assert not problem, f"accepted a non-forest ({problem})"
+    check_tree(tree, parent)
+    check_hsa(tree, seed, scale_exp, include_self, with_pos)
+
+
+def nested_data():
+    """Nested lists, tuples, dicts and Nodes with int leaves, sometimes with a
+    hostile leaf (a float, a str, a bool, None, an empty list, a huge int)."""
+    hostile = st.sampled_from([1.5, "a", True, None, [], {}, 2**70, -1])
+    # about one leaf in 60 is hostile, so that most trees are valid
+    leaf = st.integers(0, 59).flatmap(lambda r: hostile if r == 0 else st.integers(0, 1000))
+
+    def extend(children):
+        return st.one_of(
+            st.lists(children, min_size=1, max_size=4),
+            st.tuples(children, children),
+            st.dictionaries(st.text("abc", min_size=1, max_size=2), children, min_size=1,
+                            max_size=3),
+            st.lists(children, min_size=1, max_size=4).map(lambda c: Node(c, geometry="set")),
+            st.lists(children, min_size=2, max_size=4).map(
+                lambda c: Node(c, geometry="graph", edges=[(0, len(c) - 1)])),
+        )
+    return st.recursive(leaf, extend, max_leaves=25)
+
+
+def leaves_in_order(data: Any) -> List[Any]:
+    out, stack = [], [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Node):
+            item = item.children
+        if isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        else:
+            out.append(item)
+    return out
+
+
+def run_nested(data) -> None:
+    tree = call(NestedSignal.from_nested, data)
+    leaves = leaves_in_order(data)
+    assert all(isinstance(x, int) and not isinstance(x, bool) for x in leaves)
+    assert tree.x.tolist() == leaves
+    check_tree(tree, n_rows=len(leaves))
+    back = NestedSignal.from_networkx(tree.to_networkx())
+    assert back.parent.tolist() == tree.parent.tolist() and back.key == tree.key
+    assert torch.equal(back.sibling_edge_index, tree.sibling_edge_index)
+
+
+def random_digraphs():
+    @st.composite
+    def draw(draw):
+        m = draw(st.integers(1, 12))
+        edges = draw(st.lists(st.tuples(st.integers(0, m - 1), st.integers(0, m - 1)),
+                              max_size=2 * m))
+        if draw(st.booleans()):  # mostly trees: hang each node under an earlier one
+            edges = [(draw(st.integers(0, u - 1)), u) for u in range(1, m)]
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(m))
+        graph.add_edges_from(edges)
+        return graph
+    return draw()
+
+
+def run_networkx(graph) -> None:
+    is_forest = all(d <= 1 for _, d in graph.in_degree()) and nx.is_directed_acyclic_graph(graph)
+    try:
+        tree = NestedSignal.from_networkx(graph)
+    except DOCUMENTED as error:
+        assert not is_forest, f"a forest was refused: {error}"
+        refuse(error)
+    assert is_forest, "accepted a graph that is not a forest"
+    check_tree(tree)
+    assert sorted(tree.to_networkx().edges) == sorted(graph.edges)
+
+
+ALPHABET = ("abcXYZ  ...!?\n\n\t\r\x00\x01\x1f\x7f\u200b\u200d\u2028\u2029\ufeff"
+            "éß你好。مرحبا🙂👨‍👩‍👧'\"()-0123456789")
+
+
+def texts():
+    return st.one_of(st.text(ALPHABET, max_size=80), st.text(max_size=40))
+
+
+def run_text(text: str) -> None:
+    tree = call(text_tree, text)
+    check_tree(tree, n_rows=len(tree.tokens))
+    span = tree.span.tolist()
+    leaves = tree.leaf_index.tolist()
+    starts = []
+    for token, u in zip(tree.tokens, leaves):
+        a, b = span[u]
+        assert text[a:b] == token, (token, text[a:b])
+        starts.append(a)
+    assert starts == sorted(starts)                      # reading order
+    assert tree.x.tolist() == hsa_graph.builders.WordTokenizer().token_ids(tree.tokens)
+    # every word character of the text is inside some token
+    covered = set()
+    for u in leaves:
+        covered.update(range(*span[u]))
+    assert all(i in covered for i, c in enumerate(text) if c.isalnum())
+
+
+TAGS = ["div", "p", "span", "ul", "li", "table", "tr", "td", "th", "h1", "pre", "br", "img",
+        "script", "style", "title", "main", "section", "a", "b", "svg", "template", "body"]
+
+
+def html_pages():
+    piece = st.one_of(
+        st.sampled_from(TAGS).map(lambda t: f"<{t}>"),
+        st.sampled_from(TAGS).map(lambda t: f"</{t}>"),
+        st.sampled_from(['<img alt="a cat">', '<td colspan="99999">', '<td rowspan=-3>',
+                         "<!--", "-->", "<![CDATA[x]]>", "&amp;", "&#0;", "&#x110000;",
+                         "&nbsp;", "&lt;p&gt;", "<", ">", "<p hidden>", '<a href="x">',
+                         "<div aria-hidden=true>", "</", "<br/>"]),
+        st.text("ab .!\n\x00é你", min_size=1, max_size=12),
+    )
+    return st.lists(piece, max_size=40).map("".join)
+
+
+def run_html(page: str) -> None:
+    tree = call(html_tree, page)
+    check_tree(tree)
+    assert tree.x.dtype == torch.long and tree.x.dim() == 1
+    if tree.num_nodes <= 60:
+        check_hsa(tree, seed=len(page))
+
+
+IMAGE_DTYPES = ["uint8", "uint16", "float32", "float64", "float16", "int8", "int64", "bool",
+                "complex64"]
+
+
+def images():
+    @st.composite
+    def draw(draw):
+        h, w = draw(st.integers(0, 12)), draw(st.integers(0, 12))
+        c = draw(st.sampled_from([None, 0, 1, 2, 3, 3, 3, 4, 5]))
+        dtype = draw(st.sampled_from(IMAGE_DTYPES[:5] * 3 + IMAGE_DTYPES[5:]))
+        shape = (h, w) if c is None else (h, w, c)
+        rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+        array = (rng.random(shape) * 200).astype(dtype)
+        if draw(st.booleans()):
+            array = torch.from_numpy(array) if dtype != "uint16" else array
+        patch = draw(st.one_of(st.integers(1, 6), st.integers(1, 6),
+                               st.tuples(st.integers(1, 5), st.integers(1, 5)),
+                               st.sampled_from([-1, 0, 2.5, True, 10**6])))
+        return array, patch, draw(st.booleans()), draw(st.sampled_from(["pad", "crop"])), \
+            draw(st.integers(2, 3)), draw(st.booleans())
+    return draw()
+
+
+def run_image(case) -> None:
+    array, patch, quadtree, fit, region, mask = case
+    tree = call(image_tree, array, patch, quadtree=quadtree, fit=fit, region=region,
+                mask_channel=mask)
+    pixels = torch.as_tensor(np.asarray(array)).double()
+    if pixels.dim() == 2:
+        pixels = pixels.unsqueeze(-1)
+    if pixels.dtype != torch.float64 or not np.asarray(array).dtype.kind == "f":
+        pixels = pixels / (255.0 if np.asarray(array).dtype == np.uint8 else 65535.0)
+    ph, pw = (patch, patch) if isinstance(patch, int) else patch
+    h, w, c = pixels.shape
+    rows, cols = (h // ph, w // pw) if fit == "crop" else (-(-h // ph), -(-w // pw))
+    check_tree(tree, n_rows=rows * cols)
+    full = torch.zeros(rows * ph, cols * pw, c + int(mask), dtype=torch.float64)
+    hh, ww = min(h, rows * ph), min(w, cols * pw)
+    full[:hh, :ww, :c] = pixels[:hh, :ww]
+    if mask:
+        full[:hh, :ww, c] = 1
+    patches = full.reshape(rows, ph, cols, pw, -1).permute(0, 2, 1, 3, 4).reshape(rows * cols, -1)
+    x = tree.x.double()
+    tol = 1e-2 if tree.x.dtype in (torch.float16, torch.bfloat16) else 1e-6
+    torch.testing.assert_close(x, patches, rtol=tol, atol=tol, equal_nan=True)
+    leaf_pos = tree.position[tree.leaf_index]
+    if not quadtree:
+        expect = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols),
+                                            indexing="ij"), -1).reshape(-1, 2)
+        assert torch.equal(leaf_pos, expect)
+
+
+def windows():
+    lengths = st.lists(st.integers(-1, 40), min_size=0, max_size=4)
+    branching = st.lists(st.integers(-1, 5), min_size=0, max_size=4).map(tuple)
+    return st.tuples(lengths, branching)
+
+
+def run_windows(case) -> None:
+    lengths, branching = case
+    result = call(hopping_window_parents, lengths, branching)
+    parent = result.parent.tolist() if hasattr(result, "parent") else result[0].tolist()
+    assert forest_problem(parent) == ""
+    tree = NestedSignal.from_parents(parent)
+    check_tree(tree, n_rows=sum(lengths))
+    assert tree.structure.num_trees == len(lengths)
+    # leaves keep each sequence contiguous and in order: tree t's leaves are a block
+    leaf_tree = tree.structure.leaf_tree.tolist()
+    assert leaf_tree == sorted(leaf_tree)
+    counts = np.bincount(leaf_tree, minlength=len(lengths)).tolist()
+    roots = [u for u, p in enumerate(parent) if p == -1]
+    assert sorted(counts) == sorted(lengths) and len(roots) == len(lengths)
+    # below the roots, no window is wider than the widest level
+    family = np.bincount([p for p in parent if p >= 0], minlength=len(parent))
+    inner = [u for u, p in enumerate(parent) if p >= 0]
+    assert int(family[inner].max(initial=0)) <= max(branching + (1,))
+
+
+def documents():
+    value = st.one_of(st.text("ab .\n", min_size=0, max_size=12),
+                      st.integers(1, 6).map(lambda s: np.full((s, s, 3), 7, np.uint8)),
+                      st.sampled_from([None, 3, b"x", [], {}]))
+
+    def extend(children):
+        return st.one_of(st.lists(children, min_size=1, max_size=3),
+                         st.dictionaries(st.sampled_from(["t", "b", "i"]), children,
+                                         min_size=1, max_size=3),
+                         st.lists(children, min_size=1, max_size=3).map(
+                             lambda c: Node(c, geometry="set")))
+    return st.dictionaries(st.sampled_from(["title", "body", "image"]),
+                           st.recursive(value, extend, max_leaves=6), min_size=1, max_size=3)
+
+
+def run_document(data) -> None:
+    same_width = {"text": lambda s: text_tree(s, embed=lambda ids: torch.ones(len(ids), 12)),
+                  "image": lambda a: image_tree(a, 2)}
+    tree = call(document_tree, data, **same_width)
+    check_tree(tree)
+    leaves = []
+    for item in leaves_in_order(data):
+        if isinstance(item, str):
+            leaves.append(same_width["text"](item).num_leaves)
+        else:
+            leaves.append(same_width["image"](item).num_leaves)
+    assert tree.num_leaves == sum(leaves)
+    assert tree.key[0] is None and set(k for k in tree.key if k) <= {"title", "body", "image",
+                                                                       "t", "b", "i"}
+
+
+def io_trees():
+    return nested_data()
+
+
+def run_io(data) -> None:
+    import os
+    import tempfile
+    tree = call(NestedSignal.from_nested, data)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "t.pt")
+        hsa_graph.io.save(tree, path)
+        back = hsa_graph.io.load(path)
+    for name in tree.keys():
+        a, b = tree[name], back[name]
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+
+
+TARGETS: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {
+    "from_parents+hsa": (hostile_parents, run_parents),
+    "from_nested": (nested_data, run_nested),
+    "from_networkx": (random_digraphs, run_networkx),
+    "text_tree": (texts, run_text),
+    "html_tree": (html_pages, run_html),
+    "image_tree": (images, run_image),
+    "hopping_windows": (windows, run_windows),
+    "document_tree": (documents, run_document),
+    "io": (io_trees, run_io),
+}
