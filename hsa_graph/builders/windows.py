@@ -87,6 +87,11 @@ def _check_branching(branching: Branching) -> Tuple[int, ...]:
     return tuple(out)
 
 
+# 2**31 tokens already need hundreds of GB for the layout; beyond, refuse up front
+# instead of failing inside the allocator.
+MAX_TOKENS = 2**31
+
+
 def _check_lengths(lengths, device) -> Tensor:
     if isinstance(lengths, Tensor):
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
@@ -107,6 +112,11 @@ def _check_lengths(lengths, device) -> Tensor:
         b = int(short.nonzero()[0])
         raise ValueError(f"sequence {b} has length {int(lengths[b])}; every sequence needs "
                          "at least one token")
+    total = int(lengths.sum())
+    if total > MAX_TOKENS:
+        raise ValueError(f"lengths sum to {total:,} tokens, more than the {MAX_TOKENS:,} this "
+                         "builder accepts (its layout needs about 100 "
+                         "bytes per token)")
     return lengths
 
 

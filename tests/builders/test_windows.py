@@ -278,3 +278,8 @@ def test_forest_from_parents_roundtrip():
     tree = NestedSignal.from_parents(w.parent, position=w.position)
     assert tree.structure.num_trees == 2
     assert torch.equal(tree.position[:, 0], w.position)
+
+
+def test_absurd_length_is_refused_before_allocating():
+    with pytest.raises(ValueError, match="1,099,511,627,776 tokens"):
+        hopping_window_parents([2**40])
