@@ -1,0 +1,75 @@
+import argparse
+import json
+
+import pytest
+import torch
+
+from hsa_graph.pretrained import zero_shot
+
+
+def test_parse_hierarchy():
+    assert zero_shot.parse_hierarchy(" 2,4,8,16 ") == (2, 4, 8, 16)
+    assert zero_shot.parse_hierarchy("semantic") == "semantic"
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+        zero_shot.parse_hierarchy("2;4")
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        zero_shot.parse_hierarchy("2,0")
+
+
+def test_bad_sizes(tmp_path):
+    parser = argparse.ArgumentParser()
+    zero_shot.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--review-length", "600", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="at most 512"):
+        zero_shot.run(args)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_shot")
+    torch.manual_seed(0)
+    results = zero_shot.main(["--quick", "--no-progress", "--out", str(out)])
+    return out, results
+
+
+def test_quick_run_writes_everything(quick):
+    out, results = quick
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(results))
+    text = (out / "results.md").read_text()
+    assert "## Headline" in text and "| 1, 3, 5 | (2, 4, 8, 16) |" in text
+    for name in ("ablation.png", "kl.png"):
+        assert (out / name).stat().st_size > 10_000
+    # the ablation: every hierarchy at start layer 3 (layers 3, 5), plus the headline
+    cells = {(r["start_layer"], r["hierarchy"]) for r in results["ablation"]}
+    assert cells == {(3, h) for h in ("(2, 2, 2, 2)", "(2, 4, 8, 16)", "(7, 7, 7, 7)",
+                                      "(8, 4, 2)", "semantic")} | {(1, "(2, 4, 8, 16)")}
+
+
+def test_quick_run_figures_are_consistent(quick):
+    _, results = quick
+    probe = results["probe"]
+    # real embeddings of real sentences: the probe beats chance on held-out data
+    assert probe["accuracy_original"] > 0.55
+    for row in results["ablation"]:
+        assert 0.0 <= row["accuracy"] <= 1.0
+        assert row["accuracy_drop"] == pytest.approx(probe["accuracy_original"] - row["accuracy"])
+        assert 0.0 < row["cosine_mean"] < 1.0            # changed, but related
+        assert row["flop_reduction"] > 1.0
+    head = results["headline"]
+    assert head["layers"] == [1, 3, 5]
+    # flat FLOPs at the mean length: 4 L^2 x 384
+    length = round(probe["mean_tokens"])
+    assert head["mflops_flat_at_mean_length"] == pytest.approx(4 * length ** 2 * 384 / 1e6)
+
+
+def test_quick_run_hsa_has_the_lowest_kl(quick):
+    """Theorem 3.2 on the real model's queries and keys: per layer and head, HSA's
+    KL to softmax is at most that of the other block-constrained approximations."""
+    _, results = quick
+    for group in results["kl"].values():
+        assert group["tokens"] > 0
+        for per in group["kl"].values():
+            hsa = torch.tensor(per["hsa"])
+            assert hsa.shape == (6, 12) and bool((hsa > 0).all())
+            for other in ("block_average", "pooled_softmax"):
+                assert bool((hsa <= torch.tensor(per[other]) + 1e-9).all())
