@@ -767,7 +767,7 @@ def _positions(position: Any, parent: Tensor, geometry: Tensor, children: Tensor
         position = [(-1, -1) if p is None else p for p in position]
     out = _as_long_tensor(position, "position").to(device)
     if out.dim() == 1:
-        out = torch.stack([out, torch.zeros_like(out)], 1)
+        out = torch.stack([out, torch.where(out < 0, -1, 0)], 1)  # roots: (-1, -1)
     if out.shape != (m, 2):
         raise ValueError(f"position must have shape [{m}] or [{m}, 2], got {tuple(out.shape)}")
     return out

@@ -176,7 +176,9 @@ def test_grid_positions():
 
 def test_one_dimensional_positions_padded_with_zero_column():
     tree = NestedSignal.from_parents([-1, 0, 0], position=[-1, 5, 7])
-    assert tree.position.tolist() == [[-1, 0], [5, 0], [7, 0]]
+    # a root's "no position" (-1) stays (-1, -1), as when positions are left out
+    assert tree.position.tolist() == [[-1, -1], [5, 0], [7, 0]]
+    assert NestedSignal.from_parents([-1, 0, 0]).position[0].tolist() == [-1, -1]
 
 
 def test_modality_key_sibling_edges_stored():
