@@ -13,8 +13,11 @@ Layout ("unified" node numbering ``u``):
   of one parent) is contiguous inside its depth.
 
 Families with at least two members (the only ones with siblings) are grouped into
-buckets of equal padded size ``b`` (the next power of two of the family size), so a
-bucket's sibling softmax is one padded batched matmul of shape ``[F, H, b, b]``.
+buckets of equal padded size ``b``, so a bucket's sibling softmax is one batched
+attention of shape ``[F, H, b, b]``. Sizes up to 16 are exact; larger ones round up to
+a grid of eight steps per octave (``b = c * 2^e``, ``8 <= c < 16``), so padding wastes
+under 1/8 of a bucket while the number of buckets stays logarithmic in the largest
+family.
 """
 from __future__ import annotations
 
@@ -160,8 +163,9 @@ class TreeStructure:
         whole = self.whole_leaf_bucket
         if whole is not None:  # leaves are contiguous families: a reshape and a sum
             whole = self.buckets[whole]
-            sums = leaf_values.view(whole.num_families, whole.size, *leaf_values.shape[1:])
-            return out.index_copy(0, whole.parent, sums.sum(1))
+            # trailing dims flattened: the reduction then runs over long contiguous rows
+            sums = leaf_values.reshape(whole.num_families, whole.size, -1).sum(1)
+            return out.index_copy(0, whole.parent, sums.view(-1, *leaf_values.shape[1:]))
         out = out.index_add(0, self.leaf_parent, leaf_values)
         if self.lonely_leaf.numel():  # leaves that are roots added into the null row
             out = torch.cat([out[:-1], out.new_zeros((1, *out.shape[1:]))])
@@ -206,7 +210,18 @@ class TreeStructure:
 
     def subtree_mean(self, leaf_values: Tensor) -> Tensor:
         """Mean of ``leaf_values`` over ``l(A)`` for each internal ``A``: ``[I + 1, ...]``."""
-        sums = self.subtree_sum(leaf_values)
+        return self.subtree_mean_of_sums(self.subtree_sum(leaf_values))
+
+    def subtree_means(self, *leaf_values: Tensor) -> tuple:
+        """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (equal leading shapes,
+        e.g. ``q, k, v``) in one bottom-up pass: each leaf-level sum reads its input
+        once, then the small per-node sums travel up the levels together."""
+        sums = torch.cat([self.to_internal(t) for t in leaf_values], dim=-1)
+        means = self.subtree_mean_of_sums(self.bottom_up(sums))
+        return means.split([t.shape[-1] for t in leaf_values], dim=-1)
+
+    def subtree_mean_of_sums(self, sums: Tensor) -> Tensor:
+        """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)``."""
         size = torch.cat([self.internal_size, self.internal_size.new_ones(1)])
         return sums / size.to(sums.dtype).view(-1, *([1] * (sums.dim() - 1)))
 
@@ -234,7 +249,10 @@ class TreeStructure:
         if bucket.internal_range is not None:
             lo, hi = bucket.internal_range
             return internal_values[lo:hi].reshape(f, b, *rest)
-        out = leaf_values.new_zeros((f * b, *rest))
+        if bucket.leaf_slot.numel() == f * b:  # leaves only, no padding: slots in order
+            return leaf_values[bucket.leaf_src].view(f, b, *rest)
+        full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
+        out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
         out = out.index_copy(0, bucket.leaf_slot, leaf_values[bucket.leaf_src])
         out = out.index_copy(0, bucket.internal_slot, internal_values[bucket.internal_src])
         return out.view(f, b, *rest)
@@ -249,8 +267,11 @@ class TreeStructure:
             return per_bucket[whole]
         out = like.new_full((self.num_leaves, *like.shape[1:]), fill)
         for bucket, rows in zip(self.buckets, per_bucket):
-            if bucket.leaf_slot.numel():
-                out = out.index_copy(0, bucket.leaf_src, rows[bucket.leaf_slot])
+            if not bucket.leaf_slot.numel():
+                continue
+            if bucket.leaf_slot.numel() != rows.shape[0]:  # else every slot, in order
+                rows = rows[bucket.leaf_slot]
+            out = out.index_copy(0, bucket.leaf_src, rows)
         return out
 
     def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
@@ -324,8 +345,10 @@ def _depth_by_pointer_jumping(parent: Tensor) -> Tensor:
     return depth
 
 
-def _next_power_of_two(x: Tensor) -> Tensor:
-    return torch.pow(2, torch.ceil(torch.log2(x.double()))).long()
+def _padded_size(x: Tensor) -> Tensor:
+    """Round family sizes up to ``c * 2^e`` with ``8 <= c < 16`` (exact up to 16)."""
+    step = torch.pow(2, (torch.floor(torch.log2(x.double())) - 3).clamp_min(0)).long()
+    return (x + step - 1).div(step, rounding_mode="floor") * step
 
 
 def _build(parent: Tensor) -> TreeStructure:
@@ -420,7 +443,7 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
     first[1:] = fam[1:] != fam[:-1]
     start = torch.cummax(torch.where(first, torch.arange(fam.numel(), device=device), 0), 0).values
     position = torch.arange(fam.numel(), device=device) - start
-    padded = _next_power_of_two(fam_sizes)
+    padded = _padded_size(fam_sizes)
     # Families made only of leaves get buckets of their own: in the common layout
     # (leaf families contiguous in leaf order) such a bucket is a reshape of q, k, v.
     internal_members = torch.zeros(i + 1, dtype=torch.long, device=device).index_add_(

@@ -7,13 +7,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .hsa import _check_inputs, _compute_dtype, hsa_statistics, no_autocast, resolve_structure
+from .hsa import (
+    _check_finite,
+    _check_inputs,
+    _compute_dtype,
+    hsa_statistics,
+    no_autocast,
+    resolve_structure,
+)
 
 __all__ = ["hsa_weights"]
 
 
 def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
-                scale: Optional[float] = None, pos: Optional[Tensor] = None) -> Tensor:
+                scale: Optional[float] = None, pos: Optional[Tensor] = None, *,
+                check_finite: bool = False) -> Tensor:
     r"""The attention matrix :math:`\theta` of :func:`~hsa_graph.hsa`, per head.
 
     .. math::
@@ -28,6 +36,10 @@ def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
     Args:
         q, k: ``[N, H, D]`` (or ``[N, D]``), one row per leaf.
         tree, include_self, scale, pos: as in :func:`~hsa_graph.hsa`.
+        check_finite: when ``True``, a NaN or inf in ``q``, ``k`` or ``pos`` raises
+            ``ValueError`` naming the tensor and its first offending leaf row (node
+            row for ``pos``). When ``False`` (default) nothing is checked, and a
+            non-finite input only affects the rows and columns of its own tree.
 
     Returns:
         ``[H, N, N]`` (``[N, N]`` for two-dimensional inputs); row ``i`` is the
@@ -35,6 +47,8 @@ def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
     """
     st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
     q, k, _, single_head = _check_inputs(q, k, None, st, pos, need_v=False)
+    if check_finite:
+        _check_finite(st, (("q", q), ("k", k), ("pos", pos)))
     out_dtype = q.dtype
     dtype = _compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)

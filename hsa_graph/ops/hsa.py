@@ -2,27 +2,32 @@ r"""Hierarchical Self-Attention: the exact operator (SPEC.md section 2).
 
 Two passes over the tree, never forming the ``N x N`` matrix:
 
-1. **bottom-up**: subtree means ``rq, rk, rv`` of every node; the sibling logits of
-   every family and their log-sum-exp ``eta``; the internal log-mass ``lam``.
-2. **top-down**: the mass ``m`` reaching each node; each family member's
-   contribution ``delta(A) = m(pa(A)) (1 - mu(A)) theta_bar(A) (+ m(i) v_i for a leaf)``
-   as one weighted matmul per family; the output ``y_i = delta(i) + acc(pa(i))``
-   where ``acc`` sums ``delta`` down each path.
+1. **bottom-up**: subtree means ``rq, rk, rv`` of every node (one pass over ``q, k,
+   v`` at the leaves, then all three together up the levels); every family's sibling
+   softmax, fused with its values, giving each member's output row and log-sum-exp
+   (``eta``, or ``logaddexp(lam, eta)`` for a leaf that attends to itself); the
+   internal log-mass ``lam``.
+2. **top-down**: the mass ``m`` reaching each node; the output
+   ``y_i = m(pa(i)) o_i + acc(pa(i))``, where ``o_i`` is leaf ``i``'s family row and
+   ``acc`` sums the internal members' weighted rows down each path.
 
 All per-node work is vectorised over one depth at a time, and the families of one
-padded size (see :class:`~hsa_graph.TreeStructure`) go through one batched matmul.
+padded size (see :class:`~hsa_graph.TreeStructure`) go through one fused attention
+call. Leaf families that are contiguous in leaf order are read in place (a view of
+``q, k, v``), so the finest level costs what softmax attention inside those families
+alone costs; no tensor of size ``E x H x D`` over sibling pairs is formed.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from ..structure import TreeStructure
+from ..structure import FamilyBucket, TreeStructure
 
 __all__ = ["hsa"]
 
@@ -127,45 +132,173 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _check_finite(st: TreeStructure, tensors) -> None:
+    """``check_finite=True``: name the first tensor and row holding a NaN or inf. One
+    host synchronisation per tensor, which is why it is opt-in."""
+    for name, t in tensors:
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            if name == "pos":
+                where = f"node {row}"
+            else:
+                where = f"leaf row {row} (node {int(st.node_of_unified[row])})"
+            raise ValueError(f"{name} holds a non-finite value (nan or inf) at {where}")
+
+
+def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                              scale: float):
+    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and q.shape[-1] == v.shape[-1]):
+        # The fused CPU kernel reads the strided family views in place and never
+        # materialises the [F, H, b, b] logits; it is the one that returns the
+        # log-sum-exp that HSA needs besides the output.
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v), lse
+
+
+class _FamilyAttention(torch.autograd.Function):
+    r"""Softmax attention inside every family of a bucket, and its log-sum-exp.
+
+    For ``q, k`` ``[F, H, b, D]``, ``v`` ``[F, H, b, Dv]`` (any strides) and an additive
+    ``bias`` broadcastable to ``[F, H, b, b]`` (or ``None``):
+
+    .. math::
+        S = s\, q k^\top + \mathrm{bias}, \quad
+        \ell = \mathrm{logsumexp}_j S, \quad o = \mathrm{softmax}_j(S)\, v.
+
+    Returns ``o`` ``[F, H, b, Dv]`` and ``l`` ``[F, H, b]``. The backward recomputes
+    :math:`P = e^{S - \ell}` instead of saving the logits, and takes the gradient of
+    :math:`\ell` too (the fused kernel's own backward ignores it):
+    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float):
+        out, lse = _family_attention_forward(q, k, v, bias, scale)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor]):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        # Contiguous [F, H, b, D] operands: batched matmuls on the strided family views
+        # fall back to one small GEMM per matrix.
+        q, k = q.contiguous(), k.contiguous()
+        logits = torch.matmul(q, k.transpose(-1, -2)).mul_(ctx.scale)
+        if bias is not None:
+            logits = logits.add_(bias)
+        p = logits.sub_(lse.unsqueeze(-1)).exp_()                          # [F, H, b, b]
+        dv = None
+        ds = torch.zeros_like(p) if d_lse is None else d_lse.unsqueeze(-1).expand_as(p)
+        if d_out is not None:
+            d_out = d_out.contiguous()  # reductions hand back stride-0 gradients
+            if ctx.needs_input_grad[2]:
+                dv = torch.matmul(p.transpose(-1, -2), d_out)
+            dp = torch.matmul(d_out, v.contiguous().transpose(-1, -2))
+            ds = dp - (d_out * out).sum(-1, keepdim=True) + ds
+        ds = p.mul_(ds)
+        dq = torch.matmul(ds, k).mul_(ctx.scale) if ctx.needs_input_grad[0] else None
+        dk = (torch.matmul(ds.transpose(-1, -2), q).mul_(ctx.scale)
+              if ctx.needs_input_grad[1] else None)
+        return dq, dk, dv, None, None
+
+
+def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
+                 ) -> Optional[Tensor]:
+    """Additive mask of a bucket's logits, broadcastable to ``[F, H, b, b]``: ``log n(B)``
+    on key ``B`` (``-inf`` on padding), and ``-inf`` on the diagonal except for a leaf
+    attending to itself (``include_self``; ``log n(i) = 0`` there). ``None`` when all
+    zero (full families of leaves with ``include_self``), so the kernel needs no mask."""
+    f, b = bucket.num_families, bucket.size
+    leaf_only = bucket.internal_slot.numel() == 0
+    full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
+    keys = bucket.log_size.to(dtype)[:, None, None, :]                     # [F, 1, 1, b]
+    if leaf_only and include_self:
+        return None if full else keys
+    bias = keys.expand(f, 1, b, b).clone()
+    self_ok = torch.zeros(f * b, dtype=torch.bool, device=keys.device)
+    if include_self:
+        self_ok[bucket.leaf_slot] = True
+    bias.diagonal(dim1=-2, dim2=-1).masked_fill_(~self_ok.view(f, 1, b), NEG_INF)
+    return bias
+
+
+def _self_logit(q: Tensor, k: Tensor, scale: float, pos: Optional[Tensor]) -> Tensor:
+    """``z(i, i) = s <q_i, k_i> + <pos_i, pos_i>``: ``[n, H]``."""
+    own = (q * k).sum(-1) * scale
+    return own if pos is None else own + pos.pow(2).sum(-1)
+
+
 @dataclass
 class HSAStatistics:
     """Per-node quantities of SPEC section 2 in the layout of :class:`TreeStructure`
-    (``[N, H]`` for leaves, ``[I + 1, H]`` for internal rows, null row last), plus
-    each bucket's masked sibling logits ``[F, H, b, b]`` and ``eta`` ``[F, H, b]``."""
+    (``[N, H]`` for leaves, ``[I + 1, H]`` for internal rows, null row last).
+
+    ``bucket_lse[i]`` (``[F, H, b]``) is the log-sum-exp of each member's row of bucket
+    ``i``: ``total`` (``logaddexp(lam, eta)``, the diagonal included) for a leaf member
+    and ``eta`` for an internal one. ``bucket_out[i]`` (``[F, H, b, Dv]``) is the
+    matching softmax times the values (leaf ``v`` / internal means ``rv``) when values
+    were given. ``log_mu_leaf`` and ``log_m_leaf`` are ``None`` when computed with
+    ``leaf_mass=False``. ``bucket_logits`` (``[F, H, b, b]``: ``z(A, B) + log n(B)``,
+    ``-inf`` on the diagonal and padding) and ``bucket_eta`` are computed on first use.
+    """
 
     rq: Tensor  # internal means [I + 1, H, D]
     rk: Tensor
     total_leaf: Tensor  # logaddexp(lam, eta)
     total_internal: Tensor
-    log_m_leaf: Tensor
+    log_m_leaf: Optional[Tensor]
     log_m_internal: Tensor
-    log_mu_leaf: Tensor
+    log_mu_leaf: Optional[Tensor]
     log_mu_internal: Tensor
-    bucket_logits: List[Tensor]
-    bucket_eta: List[Tensor]
+    bucket_lse: List[Tensor]
+    bucket_out: List[Optional[Tensor]]
+    rv: Optional[Tensor]
+    _logit_args: tuple = field(repr=False)
+
+    @property
+    def bucket_logits(self) -> List[Tensor]:
+        return self._sibling()[0]
+
+    @property
+    def bucket_eta(self) -> List[Tensor]:
+        return self._sibling()[1]
+
+    def _sibling(self):
+        cached = self.__dict__.get("_sibling_cache")
+        if cached is None:
+            cached = self.__dict__["_sibling_cache"] = _sibling_logits(*self._logit_args)
+        return cached
 
 
 def _sibling_logits(st: TreeStructure, q: Tensor, k: Tensor, rq: Tensor, rk: Tensor,
                     scale: float, pos_leaf: Optional[Tensor], pos_internal: Optional[Tensor]):
-    """Per bucket: ``z(A, B) + log n(B)`` over siblings (``-inf`` on the diagonal and
-    padding), ``eta(A)`` (its log-sum-exp) and the diagonal ``z(A, A)`` (``[F, H, b]``)."""
-    all_logits, all_eta, all_self = [], [], []
+    """Per bucket, explicitly: ``z(A, B) + log n(B)`` over siblings (``-inf`` on the
+    diagonal and padding) ``[F, H, b, b]`` and ``eta(A)`` (its log-sum-exp) ``[F, H, b]``.
+    For inspection and variants; :func:`hsa` never forms these."""
+    all_logits, all_eta = [], []
     for bucket in st.buckets:
-        # Contiguous [F, H, b, D] operands: batched matmuls (and their backward) on
-        # transposed views fall back to a slow per-matrix loop.
         fq = st.gather_bucket(bucket, q, rq).transpose(1, 2).contiguous()
         fk = st.gather_bucket(bucket, k, rk).transpose(1, 2).contiguous()
         logits = _bmm(fq, fk.transpose(-1, -2)) * scale            # [F, H, b, b]
         if pos_leaf is not None:
             fp = st.gather_bucket(bucket, pos_leaf, pos_internal).transpose(1, 2).contiguous()
             logits = logits + _bmm(fp, fp.transpose(-1, -2))
-        all_self.append(logits.diagonal(dim1=-2, dim2=-1))
         bias = bucket.log_size.to(logits.dtype)[:, None, None, :]   # log n(B); -inf on padding
         eye = torch.eye(bucket.size, dtype=torch.bool, device=logits.device)
         logits = (logits + bias).masked_fill(eye, NEG_INF)
         all_logits.append(logits)
         all_eta.append(torch.logsumexp(logits, dim=-1))            # [F, H, b]
-    return all_logits, all_eta, all_self
+    return all_logits, all_eta
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -185,11 +318,21 @@ def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: 
 
 
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
-                   scale: float, pos: Optional[Tensor]) -> HSAStatistics:
+                   scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
+                   leaf_mass: bool = True) -> HSAStatistics:
     """The bottom-up and top-down passes over per-node scalars shared by
-    :func:`hsa` and :func:`~hsa_graph.hsa_weights`."""
+    :func:`hsa` and :func:`~hsa_graph.hsa_weights`.
+
+    Every family's softmax runs once, fused with its values when ``v`` is given (then
+    ``bucket_out`` and ``rv`` are filled). ``leaf_mass=False`` skips ``log_mu_leaf`` and
+    ``log_m_leaf`` (a pass over ``q * k`` that :func:`hsa` does not need).
+    """
     n = st.num_leaves
-    rq, rk = st.subtree_mean(q), st.subtree_mean(k)
+    if v is None:
+        rq, rk = st.subtree_means(q, k)
+        rv = None
+    else:
+        rq, rk, rv = st.subtree_means(q, k, v)
     pos_leaf = pos_internal = None
     if pos is not None:
         pos_u = pos.to(q.dtype)[st.node_of_unified]
@@ -198,24 +341,39 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         pos_leaf = pos_u[:n]
         pos_internal = torch.cat([pos_u[n:], pos_u.new_zeros((1, *pos_u.shape[1:]))])
 
-    bucket_logits, bucket_eta, bucket_self = _sibling_logits(
-        st, q, k, rq, rk, scale, pos_leaf, pos_internal)
+    # Operands of the family softmax. Positions join as extra features, so that
+    # <q s (+) p, k (+) p> = s <q, k> + <p, p> is one dot product.
+    fq_leaf, fk_leaf, fq_internal, fk_internal, fscale = q, k, rq, rk, scale
+    if pos_leaf is not None:
+        h = q.shape[1]
+        pl, pi = pos_leaf.expand(-1, h, -1), pos_internal.expand(-1, h, -1)
+        fq_leaf, fk_leaf = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1)
+        fq_internal, fk_internal = torch.cat([rq * scale, pi], -1), torch.cat([rk, pi], -1)
+        fscale = 1.0
+    # Without values the keys stand in (same width, so the fused kernel applies).
+    fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
+
+    bucket_out: List[Optional[Tensor]] = []
+    bucket_lse: List[Tensor] = []
+    for bucket in st.buckets:
+        # [F, b, H, D] -> [F, H, b, D] views: no copy for families that are contiguous
+        out, lse = _FamilyAttention.apply(
+            st.gather_bucket(bucket, fq_leaf, fq_internal).transpose(1, 2),
+            st.gather_bucket(bucket, fk_leaf, fk_internal).transpose(1, 2),
+            st.gather_bucket(bucket, fv_leaf, fv_internal).transpose(1, 2),
+            _bucket_bias(bucket, include_self, q.dtype), fscale)
+        bucket_out.append(None if v is None else out)
+        bucket_lse.append(lse)
+
     like = q[:, :, 0]
-    eta_leaf = _leaf_rows(st, bucket_eta, NEG_INF, like)
-    eta_internal = _internal_rows(st, bucket_eta, NEG_INF, like)
+    total_leaf = _leaf_rows(st, bucket_lse, NEG_INF, like)
+    eta_internal = _internal_rows(st, bucket_lse, NEG_INF, like)
+    lonely = st.lonely_leaf
+    if include_self and lonely.numel():  # no siblings: total = lam = z(i, i)
+        total_leaf = total_leaf.index_copy(0, lonely, _self_logit(
+            q[lonely], k[lonely], scale, None if pos_leaf is None else pos_leaf[lonely]))
 
     # lam bottom-up: lam(A) = sum_C n(C)/n(A) * logaddexp(lam(C), eta(C)).
-    if include_self:  # z(i, i), read off the family logits' diagonals
-        lam_leaf = _leaf_rows(st, bucket_self, 0.0, like)
-        lonely = st.lonely_leaf
-        if lonely.numel():
-            own = (q[lonely] * k[lonely]).sum(-1) * scale
-            if pos_leaf is not None:
-                own = own + pos_leaf[lonely].pow(2).sum(-1)
-            lam_leaf = lam_leaf.index_copy(0, lonely, own)
-    else:
-        lam_leaf = q.new_full(eta_leaf.shape, NEG_INF)
-    total_leaf = _logaddexp(lam_leaf, eta_leaf)
     size = torch.cat([st.internal_size, st.internal_size.new_ones(1)]).to(q.dtype)
     leaf_weight = (1.0 / size)[st.leaf_parent].unsqueeze(-1)
     child_weight = (size[:-1] / size[st.internal_parent]).unsqueeze(-1)
@@ -228,16 +386,22 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
 
     # m top-down: log m(A) = log m(pa(A)) + log mu(A), m(root) = 1. The null row
     # (parent of leaves that are roots) has log m = 0, so such a leaf gets m = 1.
-    log_mu_leaf = _log_ratio(lam_leaf, total_leaf)
     log_mu_internal = _log_ratio(lam_internal, total_internal)
     log_m_internal = st.path_sum(log_mu_internal)
-    log_m_leaf = log_m_internal[st.leaf_parent] + log_mu_leaf
+    log_mu_leaf = log_m_leaf = None
+    if leaf_mass:
+        lam_leaf = (_self_logit(q, k, scale, pos_leaf) if include_self
+                    else q.new_full(total_leaf.shape, NEG_INF))
+        log_mu_leaf = _log_ratio(lam_leaf, total_leaf)
+        log_m_leaf = log_m_internal[st.leaf_parent] + log_mu_leaf
     return HSAStatistics(rq, rk, total_leaf, total_internal, log_m_leaf, log_m_internal,
-                         log_mu_leaf, log_mu_internal, bucket_logits, bucket_eta)
+                         log_mu_leaf, log_mu_internal, bucket_lse, bucket_out, rv,
+                         (st, q, k, rq, rk, scale, pos_leaf, pos_internal))
 
 
 def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
-        scale: Optional[float] = None, pos: Optional[Tensor] = None) -> Tensor:
+        scale: Optional[float] = None, pos: Optional[Tensor] = None, *,
+        check_finite: bool = False) -> Tensor:
     r"""Hierarchical Self-Attention of the leaves of ``tree`` (SPEC.md section 2).
 
     .. math::
@@ -248,6 +412,14 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     where :math:`A, B` are the siblings holding leaves :math:`i, j` under their
     lowest common ancestor, computed in :math:`O(M b^2)` without forming
     :math:`\theta`.
+
+    Each family's sibling softmax is one fused attention call per bucket of equal-size
+    families (on the CPU, PyTorch's flash kernel reading ``q, k, v`` in place); for a
+    leaf :math:`i` the row of its family already includes its own diagonal, so
+    :math:`y_i = m(\mathrm{pa}(i))\, o_i + \mathrm{acc}(\mathrm{pa}(i))`, where
+    :math:`o_i` is the family attention output and :math:`\mathrm{acc}` sums the
+    internal nodes' contributions down each path. The structure is read from the
+    tree's cache; the call never synchronises with the device.
 
     Args:
         q: queries ``[N, H, D]`` (or ``[N, D]``), one row per leaf in increasing
@@ -261,6 +433,11 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
         scale: logit scale, ``1 / sqrt(D)`` by default.
         pos: optional position embeddings per node, ``[M, P]`` or ``[M, H, P]`` in
             node index order; ``<pos(A), pos(B)>`` is added to sibling logits.
+        check_finite: when ``True``, a NaN or inf in ``q``, ``k``, ``v`` or ``pos``
+            raises ``ValueError`` naming the tensor and its first offending leaf row
+            (node row for ``pos``); this costs a host synchronisation. When ``False``
+            (default) nothing is checked, and a non-finite input spreads only within
+            the tree that holds it: the other trees of a batch keep finite outputs.
 
     Returns:
         ``[N, H, Dv]`` (``[N, Dv]`` for two-dimensional inputs), in ``v``'s dtype.
@@ -274,6 +451,8 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     """
     st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
     q, k, v, single_head = _check_inputs(q, k, v, st, pos)
+    if check_finite:
+        _check_finite(st, (("q", q), ("k", k), ("v", v), ("pos", pos)))
     out_dtype = v.dtype
     dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -286,49 +465,42 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
 
 def _hsa(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
          scale: float, pos: Optional[Tensor]) -> Tensor:
-    stats = hsa_statistics(st, q, k, include_self, scale, pos)
-    rv = st.subtree_mean(v)
+    stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
 
-    # Mass each node sends to its siblings, w(A) = m(pa(A)) (1 - mu(A)), and keeps on
-    # itself, m(i) (leaves, include_self). Row A of a family then contributes
-    # delta(A) = w(A) theta_bar(A) + m(A) v_A: one matmul per bucket.
+    # A member A of a family sends w(A) = m(pa(A)) (1 - mu(A)) of its mass through the
+    # family softmax. A leaf's softmax row already holds its own diagonal, so a leaf
+    # weighs its row by m(pa(i)) alone: m(pa) (1 - mu) shares to siblings plus
+    # m(i) = m(pa) mu to itself.
     m_internal = stats.log_m_internal.exp()                       # [I + 1, H], null row 1
-    w_leaf = m_internal[st.leaf_parent] * -torch.expm1(stats.log_mu_leaf)
-    w_internal = m_internal[st.internal_parent] * -torch.expm1(stats.log_mu_internal[:-1])
-    w_internal = torch.cat([w_internal, w_internal.new_zeros(1, w_internal.shape[1])])
-    m_leaf = stats.log_m_leaf.exp() if include_self else torch.zeros_like(w_leaf)
-    no_self = torch.zeros_like(w_internal)
+    sends = -torch.expm1(stats.log_mu_internal)                   # 1 - mu(A)
+    ones = m_internal.new_ones(1).expand(st.num_leaves, m_internal.shape[1])
+    weights = []
+    for bucket in st.buckets:
+        w = m_internal[bucket.parent].unsqueeze(-1)                # [F, H, 1]
+        if bucket.internal_slot.numel():
+            w = w * st.gather_bucket(bucket, ones, sends).transpose(1, 2)   # [F, H, b]
+        weights.append(w)
 
-    weights, values = [], []
-    for bucket, logits, eta in zip(st.buckets, stats.bucket_logits, stats.bucket_eta):
-        w = st.gather_bucket(bucket, w_leaf, w_internal).transpose(1, 2)    # [F, H, b]
-        diag = st.gather_bucket(bucket, m_leaf, no_self).transpose(1, 2)
-        weights.append(torch.exp(logits - eta.unsqueeze(-1)) * w.unsqueeze(-1)
-                       + torch.diag_embed(diag))
-        values.append(st.gather_bucket(bucket, v, rv).transpose(1, 2).contiguous())
+    # acc(A): the sum of the internal contributions over A's ancestors-or-self, top down.
+    deltas = [out * w.unsqueeze(-1) if bucket.internal_slot.numel() else None
+              for bucket, out, w in zip(st.buckets, stats.bucket_out, weights)]
+    acc = st.path_sum(_internal_rows(st, deltas, 0.0, v))          # [I + 1, H, Dv]
 
-    # acc(A): the sum of delta over A's ancestors-or-self, top down. Families with an
-    # internal member go first (acc needs their deltas); a leaf's output is then its
-    # delta plus its parent's acc, added family-wise, fused into the matmul when the
-    # family holds only leaves.
-    deltas: List[Optional[Tensor]] = [
-        _bmm(p, fv) if bucket.internal_slot.numel() else None
-        for bucket, p, fv in zip(st.buckets, weights, values)]
-    acc = st.path_sum(_internal_rows(st, deltas, 0.0, v)[:-1])              # [I + 1, H, Dv]
-    for i, (bucket, p, fv) in enumerate(zip(st.buckets, weights, values)):
+    # A leaf's output: its weighted family row plus its parent's acc, in one pass.
+    rows: List[Optional[Tensor]] = []
+    for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
         if not bucket.leaf_slot.numel():
+            rows.append(None)
             continue
-        above = acc[bucket.parent].unsqueeze(2)                              # [F, H, 1, Dv]
-        if deltas[i] is None:
-            f, h, b, dv = fv.shape
-            deltas[i] = _DenseGrad.apply(torch.baddbmm(
-                above.reshape(f * h, 1, dv), p.reshape(f * h, b, b),
-                fv.reshape(f * h, b, dv)).view(f, h, b, dv))
-        else:
-            deltas[i] = deltas[i] + above
-    y = _leaf_rows(st, deltas, 0.0, v)
-    if st.lonely_leaf.numel():  # leaves without siblings: acc(parent) + m(i) v_i
-        lonely = st.lonely_leaf
-        own = acc[st.leaf_parent[lonely]] + m_leaf[lonely].unsqueeze(-1) * v[lonely]
+        y = torch.addcmul(acc[bucket.parent].unsqueeze(1), out.transpose(1, 2),
+                          w.transpose(1, 2).unsqueeze(-1))        # [F, b, H, Dv]
+        rows.append(y.reshape(-1, *y.shape[2:]))
+    y = st.scatter_leaves(rows, 0.0, v)
+    lonely = st.lonely_leaf
+    if lonely.numel():  # leaves without siblings: acc(parent) + m(i) v_i
+        parent = st.leaf_parent[lonely]
+        own = acc[parent]
+        if include_self:  # mu(i) = 1: no sibling takes any share
+            own = own + m_internal[parent].unsqueeze(-1) * v[lonely]
         y = y.index_copy(0, lonely, own)
     return y

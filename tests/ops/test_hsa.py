@@ -8,6 +8,7 @@ NestedSignal.from_parents, hsa, hsa_weights, flatten (and PyG's Batch).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -712,3 +713,159 @@ def test_bad_pos_raises_value_error(shape):
 def test_bad_parent_arrays_raise_value_error(parent):
     with pytest.raises(ValueError):
         make_tree(parent)
+
+
+# ----------------------------------------------------------------------------------------
+# The fused family kernel (D == Dv), issue 9: exactness, host syncs, caching, NaN
+# ----------------------------------------------------------------------------------------
+
+# leaf families contiguous (a reshape), ragged sizes with padding (17 -> 18), mixed
+# leaf/internal families, lonely leaves, unary chains and a forest
+FUSED_TREES = [
+    [-1] + [0] * 4 + [1 + i // 4 for i in range(16)],
+    [-1, 0, 0] + [1] * 17 + [2] * 3,
+    [-1, 0, 1, 1, 0, 4, 0] + [1] * 3,
+    [-1, 0, 0, 1, 1, -1, 5, 5, 5, -1],
+    [-1] + [0] * 40 + [1, 1],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("parent", FUSED_TREES)
+def test_fused_path_matches_reference(parent, include_self, dtype):
+    # D == Dv takes the fused kernel (the random cases above use D != Dv)
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=4, dv=4, seed=5,
+                               dtype=torch.float64)
+    ref = dense_hsa(parent, q, k, v, include_self=include_self)
+    qc, kc, vc = (x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v))
+    y = hsa_graph.hsa(qc, kc, vc, make_tree(parent), include_self=include_self)
+    tol = TOL if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(y.double(), ref, **tol)
+    # gradients of a random projection against the dense formula's
+    w = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (y.double() * w).sum().backward()
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    (dense_hsa(parent, qr, kr, vr, include_self=include_self) * w).sum().backward()
+    for got, want in ((qc, qr), (kc, kr), (vc, vr)):
+        torch.testing.assert_close(got.grad.double(), want.grad, **tol)
+
+
+@pytest.mark.parametrize("dv", [3, 4])  # fallback and fused kernel
+def test_family_attention_gradcheck(dv):
+    from hsa_graph.ops.hsa import _FamilyAttention
+
+    gen = torch.Generator().manual_seed(3)
+    f, h, b, d = 3, 2, 5, 4
+    q, k = (torch.randn(f, b, h, d, generator=gen, dtype=DT).transpose(1, 2)
+            .requires_grad_() for _ in range(2))
+    v = torch.randn(f, h, b, dv, generator=gen, dtype=DT, requires_grad=True)
+    bias = torch.randn(f, 1, b, b, generator=gen, dtype=DT)
+    bias[0, 0, :, 4] = float("-inf")  # a padded key
+    bias.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
+    out, lse = _FamilyAttention.apply(q, k, v, bias, 0.7)
+    logits = q @ k.transpose(-1, -2) * 0.7 + bias  # independent: explicit softmax
+    torch.testing.assert_close(lse, logits.logsumexp(-1), **TOL)
+    torch.testing.assert_close(out, logits.softmax(-1) @ v, **TOL)
+    assert torch.autograd.gradcheck(
+        lambda a, b_, c: _FamilyAttention.apply(a, b_, c, bias, 0.7), (q, k, v))
+
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique",
+            "aten::_unique2", "aten::unique_consecutive", "aten::masked_select")
+
+
+@pytest.mark.parametrize("parent", FUSED_TREES)
+def test_forward_and_backward_do_not_synchronise(parent):
+    """No op that reads a device value back to the host (``.item()``, ``bool()``,
+    ``nonzero`` ...) runs in a call on a built tree; on CUDA the same test runs under
+    ``torch.cuda.set_sync_debug_mode`` in tests/ops/test_cuda.py."""
+    from torch.profiler import profile
+
+    t = Tree(parent)
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=4, dv=4, seed=2,
+                                 pos_dim=2)
+    q.requires_grad_()
+    tree = make_tree(parent)
+    assert tree.structure is not None  # built (validation syncs) before profiling
+    with profile() as prof:
+        hsa_graph.hsa(q, k, v, tree).sum().backward()
+        hsa_graph.hsa(q, k, v, tree, include_self=False, pos=pos).sum().backward()
+    names = {event.name for event in prof.events()}
+    assert "aten::bmm" in names or "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert not names & set(SYNC_OPS), names & set(SYNC_OPS)
+
+
+def test_guard_sees_a_sync():
+    """The op list above would catch a host read (the guard is not vacuous)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        bool(torch.ones(3).sum() > 1)
+    assert {event.name for event in prof.events()} & set(SYNC_OPS)
+
+
+def test_second_call_does_not_rebuild_the_structure(monkeypatch):
+    builds = []
+    build = hsa_graph.TreeStructure.from_parent.__func__
+
+    def counting(cls, parent):
+        builds.append(parent.numel())
+        return build(cls, parent)
+
+    monkeypatch.setattr(hsa_graph.TreeStructure, "from_parent", classmethod(counting))
+    parent = FUSED_TREES[1]
+    tree = make_tree(parent)
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=4, dv=4, seed=0)
+    assert len(builds) == 1  # at construction
+    first = hsa_graph.hsa(q, k, v, tree)
+    second = hsa_graph.hsa(q, k, v, tree, include_self=False)
+    hsa_graph.hsa_weights(q, k, tree)
+    assert len(builds) == 1
+    assert tree.structure is tree.structure
+    torch.testing.assert_close(first, dense_hsa(parent, q, k, v), **TOL)
+    torch.testing.assert_close(second, dense_hsa(parent, q, k, v, include_self=False), **TOL)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "pos"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_check_finite_names_tensor_and_row(name, bad):
+    parent = FUSED_TREES[2]  # leaves are nodes 2, 3, 5, 6, 7, 8, 9 in this order
+    t = Tree(parent)
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=3, dv=3, seed=0,
+                                 pos_dim=2)
+    tensors = {"q": q, "k": k, "v": v, "pos": pos}
+    row = 4  # leaf row 4 is node 7; for pos, node 4
+    tensors[name][row, ..., -1] = bad
+    tensors[name][row + 2, ..., 0] = bad  # only the first row is named
+    tree = make_tree(parent)
+    where = "node 4" if name == "pos" else "leaf row 4 (node 7)"
+    with pytest.raises(ValueError, match=rf"^{name} holds a non-finite .* at {re.escape(where)}$"):
+        hsa_graph.hsa(q, k, v, tree, pos=pos, check_finite=True)
+    if name != "v":
+        with pytest.raises(ValueError, match=rf"^{name} holds a non-finite"):
+            hsa_graph.hsa_weights(q, k, tree, pos=pos, check_finite=True)
+    # unchecked, the value propagates (no error), and finite inputs pass the check
+    assert not torch.isfinite(hsa_graph.hsa(q, k, v, tree, pos=pos)).all()
+    clean = random_inputs(t.num_leaves, t.num_nodes, heads=2, d=3, dv=3, seed=0, pos_dim=2)
+    hsa_graph.hsa(*clean[:3], tree, pos=clean[3], check_finite=True)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_finite_values_stay_in_their_tree(name):
+    parents = [FUSED_TREES[0], FUSED_TREES[2], [-1, 0, 0, 0], [-1]]
+    trees = [make_tree(p) for p in parents]
+    batch = Batch.from_data_list(trees)
+    n = [Tree(p).num_leaves for p in parents]
+    q, k, v, _ = random_inputs(sum(n), 1, heads=2, d=4, dv=4, seed=9)
+    tensors = {"q": q, "k": k, "v": v}
+    clean = hsa_graph.hsa(q, k, v, batch)
+    bad_row = n[0] + 1  # a leaf of the second tree
+    tensors[name][bad_row, 1, 2] = float("nan")
+    y = hsa_graph.hsa(q, k, v, batch)
+    lo, hi = n[0], n[0] + n[1]
+    assert torch.isnan(y[lo:hi]).any()
+    torch.testing.assert_close(y[:lo], clean[:lo], **TOL)
+    torch.testing.assert_close(y[hi:], clean[hi:], **TOL)
