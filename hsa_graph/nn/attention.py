@@ -214,13 +214,7 @@ class HSAttention(Module):
         if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
             raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
                              f"(N = {n}), got {tuple(x.shape)}")
-        modality = None
-        if self.num_modalities > 1:
-            tags = getattr(tree, "modality", None)
-            if tags is None:
-                raise ValueError("num_modalities > 1 needs tree.modality")
-            # leaves are the first N unified nodes, in increasing node index = row order
-            modality = tags.to(x.device)[structure.node_of_unified[:n]]
+        modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
         h, d = self.heads, self.head_channels
         q, k, v = self.qkv(x, modality).view(n, 3, h, d).unbind(1)
         if self.q_norm is not None:
@@ -272,6 +266,18 @@ class HSAttention(Module):
 def _positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def leaf_modalities(tree, structure, num_modalities: int,
+                    device: torch.device) -> Optional[Tensor]:
+    """The modality tag of each leaf row of ``tree`` (``None`` with one modality)."""
+    if num_modalities <= 1:
+        return None
+    tags = getattr(tree, "modality", None)
+    if tags is None:
+        raise ValueError("num_modalities > 1 needs tree.modality")
+    # leaves are the first N unified nodes, in increasing node index = row order
+    return tags.to(device)[structure.node_of_unified[:structure.num_leaves]]
 
 
 def _structure(tree, x: Tensor):

@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.nn import Dropout, Linear, Module, Sequential
 from torch_geometric.nn.resolver import activation_resolver
 
-from .attention import ATTENTIONS, attention_tree
+from .attention import ATTENTIONS, _structure, attention_tree, leaf_modalities
 from .encoder import HierarchicalTransformerEncoder
 from .linear import ModalityLinear
 from .pool import global_leaf_pool
@@ -128,13 +128,7 @@ class TreeClassifier(Module):
             raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
                              f"(N = {n}), got {tuple(x.shape)}")
         x = x.to(self.input.weight.dtype)
-        modality = None
-        if self.num_modalities > 1:
-            tags = getattr(tree, "modality", None)
-            if tags is None:
-                raise ValueError("num_modalities > 1 needs tree.modality")
-            # leaves are the first N unified nodes, in increasing node index = row order
-            modality = tags.to(x.device)[structure.node_of_unified[:n]]
+        modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
         h = self.encoder(self.input(x, modality), tree)
         return global_leaf_pool(h, tree, "mean")
 
@@ -220,15 +214,3 @@ def attention_flops(tree, heads: int, head_channels: int, value_channels: Option
                 + (m - t) * (2 * dv + 8))
     return heads * per_head
 
-
-def _structure(tree, x: Tensor):
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must hold floating-point leaf features (embed the token ids "
-                        f"first), got {x.dtype}")
-    structure_for = getattr(tree, "structure_for", None)
-    if structure_for is None:
-        raise TypeError(f"tree must be a NestedSignal or a PyG Batch of them, got "
-                        f"{type(tree).__name__}")
-    return structure_for(x.device)
