@@ -43,7 +43,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .embeddings import static_embeddings
-from .sentiment import MODEL_NAMES, compare, markdown_table, summarize, write_results
+from .sentiment import (
+    MODEL_NAMES,
+    ExperimentConfig,
+    compare,
+    markdown_table,
+    summarize,
+    write_results,
+)
 
 __all__ = ["MultimodalConfig", "VARIANTS", "add_arguments", "build_emoji_trees", "run",
            "run_multimodal"]
@@ -62,7 +69,7 @@ PATCH = (8, 16)  # 8 * 16 * 3 = 384 raw values, the width of MiniLM's token vect
 
 
 @dataclass
-class MultimodalConfig:
+class MultimodalConfig(ExperimentConfig):
     """Settings of :func:`run_multimodal` (the defaults are the full run).
 
     Args:
@@ -72,31 +79,15 @@ class MultimodalConfig:
             per group (``None``: all 1,906).
         limit: keep at most this many examples of each split (quick checks; the
             pairs come in random order, so the kept ones are a random sample).
-        split_seed: seed of the split and of the negative partners.
-        epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
-        channels, heads, hidden_channels, pos_dim, dropout: the model.
-        cache_dir, output_dir, progress, command: as for the sentiment experiment.
+        epochs: training epochs (default 20); ``split_seed`` fixes the split and the
+            negative partners; the other settings are those of
+            :class:`~hsa_graph.experiments.sentiment.ExperimentConfig`.
     """
 
     variants: Tuple[str, ...] = tuple(v[0] for v in VARIANTS)
-    seeds: int = 5
     num_emoji: Optional[int] = None
     limit: Optional[int] = None
-    split_seed: int = 0
     epochs: int = 20
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    grad_clip: Optional[float] = 1.0
-    channels: int = 128
-    heads: int = 3
-    hidden_channels: int = 128
-    pos_dim: Optional[int] = 16
-    dropout: float = 0.1
-    cache_dir: Optional[str] = None
-    output_dir: Optional[str] = None
-    progress: bool = True
-    command: Optional[str] = None
 
     def validate(self) -> None:
         known = [v[0] for v in VARIANTS]

@@ -48,6 +48,7 @@ from .embeddings import EMBEDDINGS, cached_embeddings, sentence_lengths
 from .train import TrainConfig, evaluate, fit
 
 __all__ = [
+    "ExperimentConfig",
     "MODEL_NAMES",
     "SentimentConfig",
     "add_arguments",
@@ -68,37 +69,22 @@ MODEL_NAMES = {"hierarchical": "HSA", "flat": "FSA", "none": "DeepSet"}
 
 
 @dataclass
-class SentimentConfig:
-    """Settings of :func:`run_sentiment` (the defaults are the full run).
+class ExperimentConfig:
+    """Settings every comparison shares: training, the model, and where results go.
 
     Args:
-        embeddings: token embeddings to compare (``"static"``, ``"contextual"``).
-        attentions: attention variants (``"hierarchical"``, ``"flat"``, ``"none"``).
-        seeds: number of seeds (train/validation splits and initialisations).
-        num_reviews: use a stratified subset of this many reviews (``None``: all 1,500).
-        max_tokens: keep whole sentences of each review up to this many word pieces
-            (``None``: whole reviews); the paper trains on at most 512 tokens.
-        keep: keep the ``"last"`` sentences (a review's verdict closes it) or the
-            ``"first"`` ones (see :func:`truncate_reviews`).
-        test_fraction / val_fraction: the fixed test split, and the validation share
-            of the rest.
-        split_seed: the seed of the test split.
+        seeds: number of seeds (model initialisations; see each experiment for splits).
+        split_seed: the seed of the fixed test split.
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
-        channels, heads, hidden_channels, pos_dim, dropout: the model.
-        cache_dir: cache of the corpus and the contextual embeddings.
+        channels, heads, hidden_channels, pos_dim, dropout: the model
+            (:class:`~hsa_graph.nn.TreeClassifier`).
+        cache_dir: cache of the corpus and the embeddings.
         output_dir: where JSON, Markdown and plots go (``None``: nowhere).
         progress: progress bars.
         command: the command line that runs this configuration (for the report).
     """
 
-    embeddings: Tuple[str, ...] = ("static", "contextual")
-    attentions: Tuple[str, ...] = ("hierarchical", "flat", "none")
     seeds: int = 5
-    num_reviews: Optional[int] = None
-    max_tokens: Optional[int] = 512
-    keep: str = "last"
-    test_fraction: float = 0.2
-    val_fraction: float = 0.1
     split_seed: int = 0
     epochs: int = 10
     batch_size: int = 32
@@ -114,6 +100,33 @@ class SentimentConfig:
     output_dir: Optional[str] = None
     progress: bool = True
     command: Optional[str] = None
+
+
+@dataclass
+class SentimentConfig(ExperimentConfig):
+    """Settings of :func:`run_sentiment` (the defaults are the full run); training,
+    model and output settings are those of :class:`ExperimentConfig`.
+
+    Args:
+        embeddings: token embeddings to compare (``"static"``, ``"contextual"``).
+        attentions: attention variants (``"hierarchical"``, ``"flat"``, ``"none"``).
+        seeds: number of seeds (train/validation splits and initialisations).
+        num_reviews: use a stratified subset of this many reviews (``None``: all 1,500).
+        max_tokens: keep whole sentences of each review up to this many word pieces
+            (``None``: whole reviews); the paper trains on at most 512 tokens.
+        keep: keep the ``"last"`` sentences (a review's verdict closes it) or the
+            ``"first"`` ones (see :func:`truncate_reviews`).
+        test_fraction / val_fraction: the fixed test split, and the validation share
+            of the rest.
+    """
+
+    embeddings: Tuple[str, ...] = ("static", "contextual")
+    attentions: Tuple[str, ...] = ("hierarchical", "flat", "none")
+    num_reviews: Optional[int] = None
+    max_tokens: Optional[int] = 512
+    keep: str = "last"
+    test_fraction: float = 0.2
+    val_fraction: float = 0.1
 
     def validate(self) -> None:
         for name in self.embeddings:
