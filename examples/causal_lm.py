@@ -127,8 +127,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT / "causal_lm.json")
+    for key, value in CONFIGS["full"].items():  # e.g. --steps 200 --max-chars 400
+        parser.add_argument("--" + key.replace("_", "-"), type=int, default=None,
+                            help=f"override (quick {CONFIGS['quick'][key]}, full {value})")
     args = parser.parse_args()
-    cfg = CONFIGS["quick" if args.quick else "full"]
+    cfg = dict(CONFIGS["quick" if args.quick else "full"])
+    cfg.update({key: getattr(args, key) for key in cfg if getattr(args, key) is not None})
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
