@@ -253,8 +253,10 @@ class TreeStructure:
             return leaf_values[bucket.leaf_src].view(f, b, *rest)
         full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
         out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
-        out = out.index_copy(0, bucket.leaf_slot, leaf_values[bucket.leaf_src])
-        out = out.index_copy(0, bucket.internal_slot, internal_values[bucket.internal_src])
+        # in place: ``out`` is fresh, so autograd can record the copies without the
+        # full-buffer copy an out-of-place index_copy makes
+        out.index_copy_(0, bucket.leaf_slot, leaf_values[bucket.leaf_src])
+        out.index_copy_(0, bucket.internal_slot, internal_values[bucket.internal_src])
         return out.view(f, b, *rest)
 
     def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
@@ -265,23 +267,27 @@ class TreeStructure:
         whole = self.whole_leaf_bucket
         if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
             return per_bucket[whole]
-        out = like.new_full((self.num_leaves, *like.shape[1:]), fill)
+        sources, values = [], []
         for bucket, rows in zip(self.buckets, per_bucket):
             if not bucket.leaf_slot.numel():
                 continue
             if bucket.leaf_slot.numel() != rows.shape[0]:  # else every slot, in order
                 rows = rows[bucket.leaf_slot]
-            out = out.index_copy(0, bucket.leaf_src, rows)
-        return out
+            sources.append(bucket.leaf_src)
+            values.append(rows)
+        return _scatter_rows(like.new_full((self.num_leaves, *like.shape[1:]), fill),
+                             sources, values)
 
     def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
                          like: Tensor) -> Tensor:
         """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]``."""
-        out = like.new_full((self.num_internal + 1, *like.shape[1:]), fill)
+        sources, values = [], []
         for bucket, rows in zip(self.buckets, per_bucket):
             if bucket.internal_slot.numel():
-                out = out.index_copy(0, bucket.internal_src, rows[bucket.internal_slot])
-        return out
+                sources.append(bucket.internal_src)
+                values.append(rows[bucket.internal_slot])
+        return _scatter_rows(like.new_full((self.num_internal + 1, *like.shape[1:]), fill),
+                             sources, values)
 
     def to(self, device: torch.device | str) -> TreeStructure:
         """A copy on ``device``."""
@@ -300,6 +306,17 @@ class TreeStructure:
         """Validate a parent array (``parent[u]`` = parent of ``u``, ``-1`` = root)
         and derive the layout. Raises ``ValueError`` naming the offending node."""
         return _build(parent)
+
+
+def _scatter_rows(out: Tensor, sources: List[Tensor], values: List[Tensor]) -> Tensor:
+    """A fresh ``out`` with rows ``sources[i]`` set to ``values[i]``, in one in-place
+    index_copy: an out-of-place index_copy per bucket would copy all of ``out`` once per
+    bucket, which dominated on ragged trees with dozens of buckets."""
+    if len(sources) == 1:
+        out.index_copy_(0, sources[0], values[0])
+    elif sources:
+        out.index_copy_(0, torch.cat(sources), torch.cat(values))
+    return out
 
 
 def _check_parent(parent: Tensor) -> None:
