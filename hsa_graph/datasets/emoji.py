@@ -84,8 +84,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._hashing import file_sha256
 from ..signal import NestedSignal
-from .pang_lee import _resolve_cache, _sha256
+from .pang_lee import _resolve_cache
 
 __all__ = [
     "EmojiDataset",
@@ -161,7 +162,7 @@ def _download(cache: Path, package: _NpmArchive) -> Path:
             raise RuntimeError(f"npm could not fetch {package.spec} (exit status "
                                f"{result.returncode}):\n{tail}\n"
                                f"{_manual_hint(cache, package)}")
-        digest = _sha256(fetched)
+        digest = file_sha256(fetched)
         if digest != package.sha256:
             raise OSError(f"the downloaded {package.filename} has SHA-256 {digest}, expected "
                           f"{package.sha256}; the registry served a different file")
@@ -173,7 +174,7 @@ def _download(cache: Path, package: _NpmArchive) -> Path:
 def _archive(cache: Path, package: _NpmArchive, download: bool) -> Path:
     """The verified archive in ``cache``, fetched (again) if missing or corrupted."""
     archive = cache / package.filename
-    if archive.is_file() and _sha256(archive) == package.sha256:
+    if archive.is_file() and file_sha256(archive) == package.sha256:
         return archive
     if not download:
         state = "is corrupted" if archive.exists() else "is missing"

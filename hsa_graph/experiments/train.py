@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import math
 import os
 import random
@@ -64,6 +63,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.utils.data import DataLoader, DistributedSampler
 from torch_geometric.data import Batch
+
+from .._hashing import file_sha256
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -398,14 +399,6 @@ def evaluate(model: Module, data: Sequence, *, batch_size: int = 64,
 
 
 # ------------------------------------------------------------------ checkpoints
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> None:
     """Write ``state`` (plain dicts, lists, tensors, numbers, strings) to ``path``.
 
@@ -417,7 +410,7 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> Non
     state = {"format": CHECKPOINT_FORMAT, **state}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(state, tmp)
-    digest = _sha256(tmp)
+    digest = file_sha256(tmp)
     os.replace(tmp, path)
     tmp_sum = path.with_name(f".{path.name}.sha256.{os.getpid()}.tmp")
     tmp_sum.write_text(f"{digest}  {path.name}\n")
@@ -441,7 +434,7 @@ def load_checkpoint(path: Union[str, os.PathLike],
     sidecar = path.with_name(path.name + ".sha256")
     if sidecar.is_file():
         expected = sidecar.read_text().split()[:1]
-        if expected != [_sha256(path)]:
+        if expected != [file_sha256(path)]:
             raise ValueError(f"checkpoint {path} does not match its checksum in {sidecar}: "
                              f"the file was modified or truncated after it was written")
     try:
