@@ -37,7 +37,10 @@ class FamilyBucket:
     Slots are numbered ``slot = family * b + position``. Member values are gathered
     from two sources, leaves (``leaf_slot`` <- ``leaf_src``, leaf rows) and internal
     nodes (``internal_slot`` <- ``internal_src``, internal rows); padding slots stay
-    empty and are masked by ``pad_bias``.
+    slots are masked by ``log_size = -inf``. ``leaf_gather`` / ``internal_gather`` give
+    a bucket whose members all come from one source the source row of every slot, so
+    that one ``index_select`` fills it (padding slots repeat the family's first member,
+    which the mask hides).
     """
 
     size: int
@@ -52,6 +55,14 @@ class FamilyBucket:
     leaf_range: Optional[tuple] = None
     #: when the bucket is exactly ``internal[start : start + F * b]``
     internal_range: Optional[tuple] = None
+    #: ``(start, L)`` when the first ``L`` slots of every family hold the leaves
+    #: ``start + family * L + j`` (a view of the leaf rows) and the other slots the
+    #: internal members ``internal_src`` (a caterpillar's families, e.g.)
+    leaf_block: Optional[tuple] = None
+    #: ``[F * b]`` leaf row of every slot, for buckets of leaves only
+    leaf_gather: Optional[Tensor] = None
+    #: ``[F * b]`` internal row of every slot, for buckets of internal nodes only
+    internal_gather: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,9 @@ class TreeStructure:
             ``d`` as an offset into depth ``d - 1`` (empty for ``d = 0``).
         buckets: the sibling families, grouped by padded size.
         lonely_leaf: leaves without siblings (only child, or a root), in no bucket.
+        leaf_out_index: ``[N]`` row of each leaf in the concatenated slots of the
+            buckets holding leaves (in bucket order), one past the end for a lonely
+            leaf: :meth:`scatter_leaves` is then one gather.
     """
 
     num_nodes: int
@@ -98,6 +112,7 @@ class TreeStructure:
     level_parent: List[Tensor]
     buckets: List[FamilyBucket]
     lonely_leaf: Tensor
+    leaf_out_index: Tensor
 
     @property
     def num_internal(self) -> int:
@@ -240,7 +255,9 @@ class TreeStructure:
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
                       internal_values: Tensor) -> Tensor:
-        """Member values of a bucket's families: ``[F, b, ...]`` (zeros on padding)."""
+        """Member values of a bucket's families: ``[F, b, ...]``. Padding slots hold
+        zeros or a copy of a member of their family: consumers mask them with
+        ``log_size = -inf`` and never read their rows back."""
         rest = leaf_values.shape[1:]
         f, b = bucket.num_families, bucket.size
         if bucket.leaf_range is not None:
@@ -249,34 +266,40 @@ class TreeStructure:
         if bucket.internal_range is not None:
             lo, hi = bucket.internal_range
             return internal_values[lo:hi].reshape(f, b, *rest)
-        if bucket.leaf_slot.numel() == f * b:  # leaves only, no padding: slots in order
-            return leaf_values[bucket.leaf_src].view(f, b, *rest)
+        if bucket.leaf_block is not None:  # leaves in place, internal members appended
+            lo, per_family = bucket.leaf_block
+            inner = internal_values.index_select(0, bucket.internal_src)
+            return torch.cat([leaf_values[lo:lo + f * per_family].view(f, per_family, *rest),
+                              inner.view(f, b - per_family, *rest)], 1)
+        # index_select copies whole rows; advanced indexing (values[index]) runs the
+        # generic element-wise kernel, several times slower on [N, H, D] rows
+        if bucket.leaf_gather is not None:
+            return leaf_values.index_select(0, bucket.leaf_gather).view(f, b, *rest)
+        if bucket.internal_gather is not None:
+            return internal_values.index_select(0, bucket.internal_gather).view(f, b, *rest)
         full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
         out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
         # in place: ``out`` is fresh, so autograd can record the copies without the
         # full-buffer copy an out-of-place index_copy makes
-        out.index_copy_(0, bucket.leaf_slot, leaf_values[bucket.leaf_src])
-        out.index_copy_(0, bucket.internal_slot, internal_values[bucket.internal_src])
+        out.index_copy_(0, bucket.leaf_slot, leaf_values.index_select(0, bucket.leaf_src))
+        out.index_copy_(0, bucket.internal_slot,
+                        internal_values.index_select(0, bucket.internal_src))
         return out.view(f, b, *rest)
 
     def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
                        like: Tensor) -> Tensor:
-        """Inverse of :meth:`gather_bucket` for the leaves: per-member rows
-        ``[F * b, ...]`` of each bucket (``None`` for buckets without leaves) ->
-        ``[N, ...]``, ``fill`` for leaves in no family."""
+        """Inverse of :meth:`gather_bucket` for the leaves: per-slot rows
+        ``[F * b, ...]`` of each bucket (``None`` or ignored for buckets without
+        leaves) -> ``[N, ...]``, ``fill`` for leaves in no family."""
         whole = self.whole_leaf_bucket
         if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
             return per_bucket[whole]
-        sources, values = [], []
-        for bucket, rows in zip(self.buckets, per_bucket):
-            if not bucket.leaf_slot.numel():
-                continue
-            if bucket.leaf_slot.numel() != rows.shape[0]:  # else every slot, in order
-                rows = rows[bucket.leaf_slot]
-            sources.append(bucket.leaf_src)
-            values.append(rows)
-        return _scatter_rows(like.new_full((self.num_leaves, *like.shape[1:]), fill),
-                             sources, values)
+        # one gather from the concatenated slots: a scatter would need the output
+        # zero-filled first, and one index_copy per bucket copies it once per bucket
+        parts = [rows for bucket, rows in zip(self.buckets, per_bucket)
+                 if bucket.leaf_slot.numel()]
+        parts.append(like.new_full((1, *like.shape[1:]), fill))
+        return torch.cat(parts).index_select(0, self.leaf_out_index)
 
     def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
                          like: Tensor) -> Tensor:
@@ -285,7 +308,7 @@ class TreeStructure:
         for bucket, rows in zip(self.buckets, per_bucket):
             if bucket.internal_slot.numel():
                 sources.append(bucket.internal_src)
-                values.append(rows[bucket.internal_slot])
+                values.append(rows.index_select(0, bucket.internal_slot))
         return _scatter_rows(like.new_full((self.num_internal + 1, *like.shape[1:]), fill),
                              sources, values)
 
@@ -431,6 +454,15 @@ def _build(parent: Tensor) -> TreeStructure:
         internal_parent[level_ptr[d]:level_ptr[d + 1]] - level_ptr[d - 1]
         for d in range(1, max_depth + 1)]
     buckets = _family_buckets(parent_row, size, n, i, device)
+    leaf_out_index = torch.full((n,), 0, dtype=torch.long, device=device)
+    offset = 0
+    for bucket in buckets:
+        if bucket.leaf_slot.numel():
+            leaf_out_index[bucket.leaf_src] = bucket.leaf_slot + offset
+            offset += bucket.num_families * bucket.size
+    lonely_leaf = ((torch.bincount(parent_row, minlength=i + 1)[leaf_parent] < 2)
+                   .logical_or(leaf_parent == i).nonzero().flatten())
+    leaf_out_index[lonely_leaf] = offset  # the fill row after the last bucket
     return TreeStructure(
         num_nodes=m, num_leaves=n, num_trees=int(roots_u.numel()),
         node_of_unified=node_of_unified, unified_of_node=unified_of_node,
@@ -438,8 +470,7 @@ def _build(parent: Tensor) -> TreeStructure:
         leaf_size=torch.ones(n, dtype=torch.float64, device=device),
         internal_size=internal_size, depth=depth_u, leaf_tree=leaf_tree,
         level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
-        lonely_leaf=(torch.bincount(parent_row, minlength=i + 1)[leaf_parent] < 2)
-        .logical_or(leaf_parent == i).nonzero().flatten(),
+        lonely_leaf=lonely_leaf, leaf_out_index=leaf_out_index,
     )
 
 
@@ -482,11 +513,21 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
         is_leaf = b_members < n
         leaf_slot, leaf_src = slot[is_leaf], b_members[is_leaf]
         internal_slot, internal_src = slot[~is_leaf], b_members[~is_leaf] - n
-        leaf_range = internal_range = None
+        only_leaves, only_internal = bool(is_leaf.all()), not bool(is_leaf.any())
+        leaf_range = internal_range = leaf_gather = internal_gather = None
+        if only_leaves or only_internal:
+            rows = b_members if only_leaves else b_members - n
+            # padding slots repeat their family's first member (masked by log_size)
+            gather = rows[b_pos == 0].repeat_interleave(b)
+            gather[slot] = rows
+            leaf_gather, internal_gather = (gather, None) if only_leaves else (None, gather)
         full = b_members.numel() == num_fam * b
-        if full and bool(is_leaf.all()) and _is_arange(leaf_src, leaf_slot):
+        if full and only_leaves and _is_arange(leaf_src, leaf_slot):
             leaf_range = (int(leaf_src[0]), int(leaf_src[0]) + num_fam * b)
-        if full and not bool(is_leaf.any()) and _is_arange(internal_src, internal_slot):
+        leaf_block = None if leaf_range is None else (leaf_range[0], b)
+        if full and not only_leaves and not only_internal:
+            leaf_block = _leaf_block(leaf_src, leaf_slot, num_fam, b)
+        if full and only_internal and _is_arange(internal_src, internal_slot):
             internal_range = (int(internal_src[0]), int(internal_src[0]) + num_fam * b)
         buckets.append(FamilyBucket(
             size=b, num_families=num_fam, parent=fam_ids,
@@ -494,8 +535,24 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
             internal_slot=internal_slot, internal_src=internal_src,
             log_size=log_size.view(num_fam, b),
             leaf_range=leaf_range, internal_range=internal_range,
+            leaf_block=leaf_block, leaf_gather=leaf_gather, internal_gather=internal_gather,
         ))
     return buckets
+
+
+def _leaf_block(src: Tensor, slot: Tensor, num_fam: int, size: int) -> Optional[tuple]:
+    """``(start, L)`` when the leaves of a full mixed bucket fill the first ``L`` slots of
+    every family with consecutive leaf rows (see :attr:`FamilyBucket.leaf_block`)."""
+    per_family, rem = divmod(src.numel(), num_fam)
+    if rem or per_family == 0:
+        return None
+    device = src.device
+    expected_slot = (torch.arange(num_fam, device=device)[:, None] * size
+                     + torch.arange(per_family, device=device)).view(-1)
+    if bool((slot == expected_slot).all()) and bool(
+            (src == src[0] + torch.arange(src.numel(), device=device)).all()):
+        return int(src[0]), per_family
+    return None
 
 
 def _is_arange(src: Tensor, slot: Tensor) -> bool:

@@ -177,6 +177,12 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
             lo, hi = bucket.leaf_range
             assert hi - lo == f * size and bucket.internal_slot.numel() == 0
             assert bucket.leaf_src.tolist() == [lo + slot for slot in bucket.leaf_slot.tolist()]
+        if bucket.leaf_block is not None:
+            lo, per_family = bucket.leaf_block
+            assert bucket.leaf_src.tolist() == list(range(lo, lo + f * per_family))
+            assert bucket.leaf_slot.tolist() == [fam * size + j for fam in range(f)
+                                                 for j in range(per_family)]
+            assert bucket.internal_slot.numel() == f * (size - per_family)
         if bucket.internal_range is not None:
             lo, hi = bucket.internal_range
             assert hi - lo == f * size and bucket.leaf_slot.numel() == 0
@@ -194,12 +200,18 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
         g = s.gather_bucket(bucket, leaf_ids, internal_ids)
         assert g.shape == (bucket.num_families, bucket.size, 1)
         flat = g.reshape(-1).tolist()
-        expected = [0.0] * (bucket.num_families * bucket.size)
+        expected = [None] * (bucket.num_families * bucket.size)
         for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):
             expected[slot] = float(src + 1)
         for slot, src in zip(bucket.internal_slot.tolist(), bucket.internal_src.tolist()):
             expected[slot] = float(-(src + 1))
-        assert flat == expected
+        for slot, (got, want) in enumerate(zip(flat, expected)):
+            if want is not None:
+                assert got == want, f"slot {slot}"
+            else:  # padding: zero, or a copy of a member of the same family
+                fam = slot // bucket.size
+                members = expected[fam * bucket.size:(fam + 1) * bucket.size]
+                assert got == 0.0 or got in members, f"padding slot {slot} holds {got}"
         gathered.append(g.reshape(-1, 1))
     like = torch.zeros(1, 1, dtype=DT)
     leaf_rows = s.scatter_leaves(gathered, 0.5, like)
@@ -278,6 +290,10 @@ HAND_MADE = {
     "equal_leaf_families": [-1, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2],
     "equal_leaf_families_unordered": [-1, 0, 0, 2, 1, 2, 1, 1, 2, 1, 2],
     "flat_forest": [-1, 0, 0, -1, 3, 3],
+    # spine nodes with 3 leaves each and the next spine node: leaf blocks, read in place
+    "caterpillar": [-1, 0, 1, 2, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3],
+    # ragged leaf families (2..5 members, rounded up above 16 only): index_select gathers
+    "ragged_leaf_families": [-1, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4],
 }
 
 

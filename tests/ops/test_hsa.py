@@ -869,3 +869,60 @@ def test_non_finite_values_stay_in_their_tree(name):
     assert torch.isnan(y[lo:hi]).any()
     torch.testing.assert_close(y[:lo], clean[:lo], **TOL)
     torch.testing.assert_close(y[hi:], clean[hi:], **TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# Every bucket layout of TreeStructure (reshape, leaf block, index_select gathers with
+# padding that repeats a member, two-source mixed buckets) against the reference
+# ----------------------------------------------------------------------------------------
+
+
+def _star(sizes, internal=False):
+    """A root whose children are families of the given sizes (leaves, or internal
+    nodes with two leaves each when ``internal``)."""
+    parent = [-1]
+    for size in sizes:
+        node = len(parent)
+        parent.append(0)
+        parent.extend([node] * size)
+    if internal:  # each leaf of the families above gets two leaf children
+        leaves = [u for u in range(len(parent)) if u not in set(parent)]
+        for u in leaves:
+            parent.extend([u, u])
+    return parent
+
+
+LAYOUT_TREES = {
+    "balanced_reshape": [-1, 0, 0, 0, 0] + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4,
+    "caterpillar_leaf_block": [-1, 0, 1, 2] + [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3,
+    "ragged_padded_leaves": _star([17, 2, 19, 5, 23, 17]),
+    "ragged_padded_internal": _star([17, 2, 19], internal=True),
+    "mixed_padded": [-1] + [0] * 17 + [1, 1, 2, 2],
+}
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("name", sorted(LAYOUT_TREES))
+def test_bucket_layouts_match_reference(name, include_self):
+    parent = LAYOUT_TREES[name]
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=5)
+    inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    y = hsa_graph.hsa(*inputs, make_tree(parent), include_self=include_self)
+    y_ref = dense_hsa(parent, *inputs, include_self=include_self)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
+    for a, b, n in zip(_grads((w * y).sum(), inputs), _grads((w * y_ref).sum(), inputs),
+                       "qkv"):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def test_layout_trees_exercise_every_bucket_kind():
+    kinds = set()
+    for parent in LAYOUT_TREES.values():
+        for b in make_tree(parent).structure.buckets:
+            kinds.add("range" if b.leaf_range or b.internal_range else
+                      "block" if b.leaf_block else
+                      "leaf_gather" if b.leaf_gather is not None else
+                      "internal_gather" if b.internal_gather is not None else "mixed")
+    assert kinds == {"range", "block", "leaf_gather", "internal_gather", "mixed"}
