@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,7 +210,7 @@ def bench_balanced(n: int, repeats: int, with_flat: bool, with_bwd: bool) -> Dic
 
 
 def bench_shapes(repeats: int) -> Dict:
-    """Ragged, forest and deep trees against the balanced tree / their floor."""
+    """Ragged and forest trees against the balanced tree of the same N."""
     q, k, v = inputs(BIG)
     trees = {"balanced": balanced_parents(BIG), "ragged": ragged_parents(BIG),
              "forest": forest_parents(BIG // 16, 16)}
@@ -220,6 +221,13 @@ def bench_shapes(repeats: int) -> Dict:
         repeats)
     out["ragged_families"] = trees["ragged"].structure.num_families
     out["ragged_buckets"] = len(trees["ragged"].structure.buckets)
+    out["load_after"] = loadavg()
+    return out
+
+
+def bench_deep(repeats: int) -> Dict:
+    """The caterpillar against its own floor, and what its depth costs."""
+    out: Dict[str, object] = {"load_before": loadavg()}
     spine, per = 4096, 63
     deep = hsa_graph.NestedSignal.from_parents(caterpillar(spine, per))
     n = spine * per
@@ -380,12 +388,13 @@ def report(res: Dict, meta: Dict) -> str:
     if big and small and small is not big:
         r = med(big["fwd"]["hsa"]) / med(small["fwd"]["hsa"])
         checks.append((f"t({BIG}) / t({small['N']}) <= 20", f"{r:.1f}", r <= 20))
-    if shapes:
+    if shapes and "shapes" in shapes:
         s = shapes["shapes"]
         for name in ("ragged", "forest"):
             r = ratio_of(s[name], s["balanced"])
             checks.append((f"{name} <= 1.5x balanced (N = {BIG})", f"{r:.2f}x "
                            f"({med(s[name]):.0f} vs {med(s['balanced']):.0f} ms)", r <= 1.5))
+    if shapes and "deep" in shapes:
         dr = ratio_of(shapes["deep"]["hsa"], shapes["deep"]["floor"])
         checks.append((f"deep caterpillar <= 2.5x its floor (N = {shapes['deep_N']}, "
                        f"{shapes['deep_levels']} levels)",
@@ -465,45 +474,77 @@ def plot(res: Dict, meta: Dict, path: Path) -> None:
     plt.close(fig)
 
 
+WORKERS: Dict[str, Callable[..., Dict]] = {
+    "balanced": bench_balanced, "shapes": bench_shapes, "deep": bench_deep,
+    "memory": bench_memory, "cache": bench_cache, "structure": bench_structure,
+    "compile": bench_compile}
+
+#: glibc settings for the workers (unless set already): keep freed memory in the heap
+#: instead of returning it, so that fresh 0.5 GB buffers do not page-fault on every call
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+
+def run_worker(name: str, threads: int, **kwargs) -> Dict:
+    """Run one workload in a fresh process (its memory is returned when it exits, so
+    the big workloads never add up) and return its JSON result."""
+    env = {**MALLOC_ENV, **os.environ}
+    command = [sys.executable, str(Path(__file__).resolve()), "--threads", str(threads),
+               "--worker", json.dumps({"name": name, "kwargs": kwargs})]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"workload {name} {kwargs} failed with exit code "
+                           f"{proc.returncode}:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["flat", "bwd", "shapes", "memory", "cache", "structure",
-                                 "compile"])
+                        choices=["flat", "bwd", "shapes", "deep", "memory", "cache",
+                                 "structure", "compile"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.worker is not None:  # one workload, result as JSON on the last line
+        job = json.loads(args.worker)
+        print(json.dumps(WORKERS[job["name"]](**job["kwargs"]), default=str))
+        return 0
     meta = {"threads": torch.get_num_threads(), "repeats": args.repeats,
             "torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv),
             "load_start": loadavg(),
-            "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "OMP_"))}}
+            "env": {k: v for k, v in {**MALLOC_ENV, **os.environ}.items()
+                    if k.startswith(("MALLOC_", "OMP_"))}}
     res: Dict[str, object] = {"balanced": []}
     start = time.perf_counter()
 
-    def step(name, fn):
+    def step(name, worker, **kwargs):
         t0 = time.perf_counter()
-        value = fn()
+        value = run_worker(worker, args.threads, **kwargs)
         print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         return value
 
     for n in args.sizes:
-        res["balanced"].append(step(f"balanced N={n}", lambda n=n: bench_balanced(
-            n, args.repeats, with_flat=n == 16384 and "flat" not in args.skip,
-            with_bwd="bwd" not in args.skip)))
+        res["balanced"].append(step(
+            f"balanced N={n}", "balanced", n=n, repeats=args.repeats,
+            with_flat=n == 16384 and "flat" not in args.skip, with_bwd="bwd" not in args.skip))
     if "shapes" not in args.skip:
-        res["shapes"] = step("ragged/forest/deep", lambda: bench_shapes(args.repeats))
+        res["shapes"] = step("ragged/forest", "shapes", repeats=args.repeats)
+    if "deep" not in args.skip:
+        res["shapes"] = {**res.get("shapes", {}),
+                         **step("deep", "deep", repeats=args.repeats)}
     if "memory" not in args.skip:
-        res["memory"] = step("memory", lambda: bench_memory(max(args.sizes)))
+        res["memory"] = step("memory", "memory", n=max(args.sizes))
     if "cache" not in args.skip:
-        res["cache"] = step("cache", lambda: bench_cache(65536))
+        res["cache"] = step("cache", "cache", n=65536)
     if "structure" not in args.skip:
-        res["structure"] = step("structure", lambda: bench_structure(3))
+        res["structure"] = step("structure", "structure", repeats=3)
     if "compile" not in args.skip:
-        res["compile"] = step("compile", lambda: bench_compile(1024, args.repeats))
+        res["compile"] = step("compile", "compile", n=1024, repeats=args.repeats)
     meta["load_end"] = loadavg()
     meta["total_s"] = time.perf_counter() - start
     table = report(res, meta)
