@@ -248,7 +248,7 @@ class TreeStructure:
         value = delta.new_zeros((ptr[1] - ptr[0], *delta.shape[1:]))
         levels = [value]
         for d in range(1, self.max_depth + 1):
-            value = value[self.level_parent[d]] + delta[ptr[d]:ptr[d + 1]]
+            value = value.index_select(0, self.level_parent[d]) + delta[ptr[d]:ptr[d + 1]]
             levels.append(value)
         levels.append(delta.new_zeros((1, *delta.shape[1:])))
         return torch.cat(levels)

@@ -4,16 +4,19 @@ analogue of the paper's Table 2, section 5.2).
 **Data.** The 1,906 emoji of :func:`~hsa_graph.datasets.emoji.load_emoji` (Google's
 64 x 64 images with emojibase's names and tags) and the matching task of
 :func:`~hsa_graph.datasets.emoji.emoji_matching_pairs`: each emoji's image paired once
-with its own text (label 1) and once with the text of another emoji of the same group
-(label 0), emoji split into train / validation / test (stratified by group; a fixed
-test split, never used for selection).
+with its own text (label 1) and once with the text of another emoji (label 0), emoji
+split into train / validation / test (stratified by group; a fixed test split, never
+used for selection). The negative partner comes from any group (``negatives="any"``,
+the default) or from the emoji's own group (``"same_group"``: the model must then tell
+which face or which flag, from 64 x 64 pixels and about 1,500 training emoji).
 
 **Why neither modality alone solves it.** Within a split every image occurs exactly
 twice, once per label, and so does every text: a model that sees only the image (or
 only the text) must give both examples of an image (a text) the same answer, so it
-scores exactly 50 %; with same-group negatives, recognising the group from either
-side does not help either. Only the *interaction* of image and text carries the label.
-This module measures it too: ``image`` and ``text`` are HSA on one modality's subtree.
+scores exactly 50 %, whatever it learned. Only the *interaction* of image and text
+carries the label: with ``"any"`` negatives, e.g. whether the picture shows a flag and
+the words name a flag. This module measures it too: ``HSA (image)`` and ``HSA (text)``
+are HSA on one modality's subtree.
 
 **Trees.** Each example is :func:`~hsa_graph.datasets.emoji.emoji_document`: a
 ``keyvalue`` root with an ``image`` field (a grid of 8 x 16 RGB patches: 32 leaves of
@@ -79,6 +82,8 @@ class MultimodalConfig(ExperimentConfig):
             per group (``None``: all 1,906).
         limit: keep at most this many examples of each split (quick checks; the
             pairs come in random order, so the kept ones are a random sample).
+        negatives: where a negative text comes from, ``"any"`` group or the
+            ``"same_group"`` (see :func:`~hsa_graph.datasets.emoji.emoji_matching_pairs`).
         epochs: training epochs (default 20); ``split_seed`` fixes the split and the
             negative partners; the other settings are those of
             :class:`~hsa_graph.experiments.sentiment.ExperimentConfig`.
@@ -87,6 +92,7 @@ class MultimodalConfig(ExperimentConfig):
     variants: Tuple[str, ...] = tuple(v[0] for v in VARIANTS)
     num_emoji: Optional[int] = None
     limit: Optional[int] = None
+    negatives: str = "any"
     epochs: int = 20
 
     def validate(self) -> None:
@@ -98,6 +104,9 @@ class MultimodalConfig(ExperimentConfig):
             raise ValueError("give at least one variant")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+        if self.negatives not in ("any", "same_group"):
+            raise ValueError(f"negatives must be 'any' or 'same_group', got "
+                             f"{self.negatives!r}")
         if self.limit is not None and self.limit < 2:
             raise ValueError(f"limit must be >= 2 (or None), got {self.limit}")
         if self.num_emoji is not None and self.num_emoji < 180:
@@ -172,7 +181,8 @@ def run_multimodal(config: Optional[MultimodalConfig] = None) -> Dict[str, Any]:
     dataset = load_emoji(config.cache_dir)
     if config.num_emoji is not None and config.num_emoji < len(dataset):
         dataset = _subset(dataset, config.num_emoji, config.split_seed)
-    train, val, test = emoji_matching_pairs(dataset, seed=config.split_seed)
+    train, val, test = emoji_matching_pairs(dataset, seed=config.split_seed,
+                                            negatives=config.negatives)
     if config.limit is not None:
         train, val, test = (split[:config.limit] for split in (train, val, test))
     pairs = list(train) + list(val) + list(test)
@@ -221,6 +231,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=None, help=f"default {d.seeds}")
     parser.add_argument("--num-emoji", type=int, default=None,
                         help="group-stratified subset of the 1,906 emoji (default: all)")
+    parser.add_argument("--negatives", choices=["any", "same_group"], default=None,
+                        help="negative texts from any group, or from the image's own "
+                             f"group (harder) (default {d.negatives})")
     parser.add_argument("--epochs", type=int, default=None, help=f"default {d.epochs}")
     parser.add_argument("--batch-size", type=int, default=None, help=f"default {d.batch_size}")
     parser.add_argument("--lr", type=float, default=None, help=f"AdamW lr (default {d.lr})")
@@ -236,8 +249,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Run from parsed arguments, print the table, return the results."""
     values: Dict[str, Any] = dict(QUICK) if getattr(args, "quick", False) else {}
-    for name in ("variants", "seeds", "num_emoji", "epochs", "batch_size", "lr", "cache_dir",
-                 "output_dir"):
+    for name in ("variants", "seeds", "num_emoji", "negatives", "epochs", "batch_size", "lr",
+                 "cache_dir", "output_dir"):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if isinstance(value, list) else value

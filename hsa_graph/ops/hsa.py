@@ -476,7 +476,7 @@ def _hsa(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
     ones = m_internal.new_ones(1).expand(st.num_leaves, m_internal.shape[1])
     weights = []
     for bucket in st.buckets:
-        w = m_internal[bucket.parent].unsqueeze(-1)                # [F, H, 1]
+        w = m_internal.index_select(0, bucket.parent).unsqueeze(-1)   # [F, H, 1]
         if bucket.internal_slot.numel():
             w = w * st.gather_bucket(bucket, ones, sends).transpose(1, 2)   # [F, H, b]
         weights.append(w)
@@ -492,14 +492,14 @@ def _hsa(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
         if not bucket.leaf_slot.numel():
             rows.append(None)
             continue
-        y = torch.addcmul(acc[bucket.parent].unsqueeze(1), out.transpose(1, 2),
-                          w.transpose(1, 2).unsqueeze(-1))        # [F, b, H, Dv]
+        above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
+        y = torch.addcmul(above, out.transpose(1, 2), w.transpose(1, 2).unsqueeze(-1))
         rows.append(y.reshape(-1, *y.shape[2:]))
     y = st.scatter_leaves(rows, 0.0, v)
     lonely = st.lonely_leaf
     if lonely.numel():  # leaves without siblings: acc(parent) + m(i) v_i
         parent = st.leaf_parent[lonely]
-        own = acc[parent]
+        own = acc.index_select(0, parent)
         if include_self:  # mu(i) = 1: no sibling takes any share
             own = own + m_internal[parent].unsqueeze(-1) * v[lonely]
         y = y.index_copy(0, lonely, own)
