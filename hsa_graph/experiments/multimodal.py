@@ -20,9 +20,11 @@ are HSA on one modality's subtree.
 
 **Trees.** Each example is :func:`~hsa_graph.datasets.emoji.emoji_document`: a
 ``keyvalue`` root with an ``image`` field (a grid of 8 x 16 RGB patches: 32 leaves of
-384 raw values) and a ``text`` field (paragraph -> sentence -> MiniLM word pieces with
-their static MiniLM embeddings, 384 values). The classifier projects each modality with
-its own weights (``num_modalities=2``).
+384 values, the *ink* ``1 - rgb`` on a white background, so blank patches are zero:
+with raw pixels, mostly 1.0, the image side did not train at all) and a ``text``
+field (paragraph -> sentence -> MiniLM word pieces with their static MiniLM
+embeddings, 384 values). The classifier projects each modality with its own weights
+(``num_modalities=2``).
 
 **Models** (:class:`~hsa_graph.nn.TreeClassifier`, one HTE layer with 3 heads, mean
 pooling, MLP; the same parameter count for all):
@@ -84,7 +86,7 @@ class MultimodalConfig(ExperimentConfig):
             pairs come in random order, so the kept ones are a random sample).
         negatives: where a negative text comes from, ``"any"`` group or the
             ``"same_group"`` (see :func:`~hsa_graph.datasets.emoji.emoji_matching_pairs`).
-        epochs: training epochs (default 20); ``split_seed`` fixes the split and the
+        epochs: training epochs (default 10); ``split_seed`` fixes the split and the
             negative partners; the other settings are those of
             :class:`~hsa_graph.experiments.sentiment.ExperimentConfig`.
     """
@@ -93,7 +95,7 @@ class MultimodalConfig(ExperimentConfig):
     num_emoji: Optional[int] = None
     limit: Optional[int] = None
     negatives: str = "any"
-    epochs: int = 20
+    epochs: int = 10
 
     def validate(self) -> None:
         known = [v[0] for v in VARIANTS]
@@ -130,7 +132,7 @@ def build_emoji_trees(pairs: Sequence[Any], data: str = "image+text") -> List[An
     tokenizer = load_minilm_tokenizer()
 
     def patches(p):
-        return p.flatten(1)
+        return 1.0 - p.flatten(1)  # ink on a white background: blank patches are 0
 
     trees = []
     for pair in pairs:

@@ -32,10 +32,10 @@ def test_document_trees_hold_both_modalities(pairs):
     assert tree.geometry[tree.parent == -1].tolist() == [GEOMETRIES.index("keyvalue")]
     leaves = tree.modality[tree.is_leaf]
     assert int((leaves == 1).sum()) == 32  # 64 / 8 x 64 / 16 patches
-    # image leaves: the composited RGB pixels of each 8 x 16 patch
+    # image leaves: the ink (1 - composited RGB on white) of each 8 x 16 patch
     rgb = emoji_rgb(pair.image)
     patches = rgb.unfold(1, 8, 8).unfold(2, 16, 16).permute(1, 2, 3, 4, 0).reshape(32, -1)
-    assert torch.allclose(tree.x[leaves == 1], patches)
+    assert torch.allclose(tree.x[leaves == 1], 1 - patches)
     # text leaves: MiniLM's input embedding rows of the text's word pieces
     ids = load_minilm_tokenizer().encode(pair.text, add_special_tokens=False).ids
     assert torch.equal(tree.x[leaves == 0], static_embeddings(torch.tensor(ids)))
@@ -71,5 +71,7 @@ def test_bad_config():
         multimodal.MultimodalConfig(variants=("GPT",)).validate()
     with pytest.raises(ValueError, match="num_emoji"):
         multimodal.MultimodalConfig(num_emoji=20).validate()
+    with pytest.raises(ValueError, match="negatives"):
+        multimodal.MultimodalConfig(negatives="other_group").validate()
     with pytest.raises(ValueError, match="data"):
         multimodal.build_emoji_trees([], "audio")
