@@ -92,6 +92,8 @@ class TreeStructure:
             ``d`` as an offset into depth ``d - 1`` (empty for ``d = 0``).
         buckets: the sibling families, grouped by padded size.
         lonely_leaf: leaves without siblings (only child, or a root), in no bucket.
+        siblingless_levels: depths whose internal nodes include one without siblings
+            (an only child), the only nodes whose ``eta`` is ``-inf``.
         leaf_out_index: ``[N]`` row of each leaf in the concatenated slots of the
             buckets holding leaves (in bucket order), one past the end for a lonely
             leaf: :meth:`scatter_leaves` is then one gather.
@@ -112,6 +114,7 @@ class TreeStructure:
     level_parent: List[Tensor]
     buckets: List[FamilyBucket]
     lonely_leaf: Tensor
+    siblingless_levels: frozenset
     leaf_out_index: Tensor
 
     @property
@@ -460,8 +463,10 @@ def _build(parent: Tensor) -> TreeStructure:
         if bucket.leaf_slot.numel():
             leaf_out_index[bucket.leaf_src] = bucket.leaf_slot + offset
             offset += bucket.num_families * bucket.size
-    lonely_leaf = ((torch.bincount(parent_row, minlength=i + 1)[leaf_parent] < 2)
-                   .logical_or(leaf_parent == i).nonzero().flatten())
+    family_size = torch.bincount(parent_row, minlength=i + 1)
+    lonely_leaf = (family_size[leaf_parent] < 2).logical_or(leaf_parent == i).nonzero().flatten()
+    only_child = (family_size[internal_parent] < 2) & (internal_parent < i)
+    siblingless_levels = frozenset(internal_depth[only_child].unique().tolist())
     leaf_out_index[lonely_leaf] = offset  # the fill row after the last bucket
     return TreeStructure(
         num_nodes=m, num_leaves=n, num_trees=int(roots_u.numel()),
@@ -470,7 +475,8 @@ def _build(parent: Tensor) -> TreeStructure:
         leaf_size=torch.ones(n, dtype=torch.float64, device=device),
         internal_size=internal_size, depth=depth_u, leaf_tree=leaf_tree,
         level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
-        lonely_leaf=lonely_leaf, leaf_out_index=leaf_out_index,
+        lonely_leaf=lonely_leaf, siblingless_levels=siblingless_levels,
+        leaf_out_index=leaf_out_index,
     )
 
 

@@ -378,8 +378,14 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     leaf_weight = (1.0 / size)[st.leaf_parent].unsqueeze(-1)
     child_weight = (size[:-1] / size[st.internal_parent]).unsqueeze(-1)
 
+    # _logaddexp guards the gradient where lam and eta are both -inf, which needs a node
+    # without siblings (eta = -inf): other levels take the one-op logaddexp (deep trees
+    # run this once per level, so each level's step is kept to three ops)
+    guarded = {st.level_ptr[d] for d in st.siblingless_levels}
+
     def weighted_total(lam: Tensor, lo: int, hi: int) -> Tensor:
-        return child_weight[lo:hi] * _logaddexp(lam, eta_internal[lo:hi])
+        total = (_logaddexp if lo in guarded else torch.logaddexp)(lam, eta_internal[lo:hi])
+        return child_weight[lo:hi] * total
 
     lam_internal = st.bottom_up(st.to_internal(leaf_weight * total_leaf), weighted_total)
     total_internal = _logaddexp(lam_internal, eta_internal)
