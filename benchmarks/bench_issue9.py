@@ -1,10 +1,14 @@
 """Every figure of issue 9 (performance), with one command.
 
-Reproduce (from the project root; the glibc variables stop page faults on fresh large
-allocations from dominating on some VMs, see ``bench_hsa.py``)::
+Reproduce (from the project root)::
 
-    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \\
-        python benchmarks/bench_issue9.py --threads 2
+    python benchmarks/bench_issue9.py --threads 2
+
+Each workload runs in its own process (so the memory of one never adds to the next)
+with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set for glibc unless they
+are set already: freed memory then stays in the heap instead of being returned, and
+fresh 0.5 GB buffers do not page-fault on every call (on some VMs that dominated at
+N >= 65,536, see ``bench_hsa.py``).
 
 Prints a Markdown table of medians and ratios with pass/fail per goal and writes
 ``bench_issue9_<threads>t.md``, ``.json`` and ``.png`` (time vs N of HSA,
