@@ -41,8 +41,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
                   "hierarchical sentiment on the Pang & Lee reviews: HSA vs flat attention vs "
                   "DeepSet (the paper's Table 1 analogue)"),
     "multimodal": ("hsa_graph.experiments.multimodal",
-                   "image-text matching of emoji as key-value trees (no single modality "
-                   "can beat 50 %): HSA vs flat attention vs DeepSet (the paper's "
+                   "image-text matching of emoji as key-value trees (any single modality "
+                   "is at chance): HSA vs flat attention vs DeepSet (the paper's "
                    "Table 2 analogue)"),
     "zero-shot": ("hsa_graph.pretrained.zero_shot",
                   "zero-shot evaluation of the pre-trained MiniLM with hierarchical "
