@@ -6,7 +6,7 @@ Lee's movie reviews (a stratified subset, each cut to its last sentences), as tr
 document -> paragraph -> sentences -> MiniLM word pieces, with two token embeddings of
 the packaged all-MiniLM-L6-v2 (static input embeddings, and contextual vectors
 computed per sentence and cached on disk), classified by the same one-layer model with
-HSA, flat softmax attention (FSA) or no attention (DeepSet), over 2 seeds, on a fixed
+HSA, flat softmax attention (FSA) or no attention (DeepSet), over 3 seeds, on a fixed
 held-out test split. Prints the comparison table: accuracy and macro F1 (mean and 95 %
 Student-t interval over the seeds), attention FLOPs per review and seconds per epoch.
 

@@ -156,7 +156,7 @@ class SentimentConfig(ExperimentConfig):
 
 
 #: ``--quick``: the main job's short version (minutes on 2 CPU cores).
-QUICK = dict(seeds=2, num_reviews=160, max_tokens=128, epochs=3, batch_size=16, lr=2e-3)
+QUICK = dict(seeds=3, num_reviews=300, max_tokens=128, epochs=4, batch_size=16, lr=2e-3)
 
 
 # ------------------------------------------------------------------ data
