@@ -36,11 +36,12 @@ class FamilyBucket:
 
     Slots are numbered ``slot = family * b + position``. Member values are gathered
     from two sources, leaves (``leaf_slot`` <- ``leaf_src``, leaf rows) and internal
-    nodes (``internal_slot`` <- ``internal_src``, internal rows); padding slots stay
-    slots are masked by ``log_size = -inf``. ``leaf_gather`` / ``internal_gather`` give
-    a bucket whose members all come from one source the source row of every slot, so
-    that one ``index_select`` fills it (padding slots repeat the family's first member,
-    which the mask hides).
+    nodes (``internal_slot`` <- ``internal_src``, internal rows); padding slots are
+    masked by ``log_size = -inf``. :meth:`TreeStructure.gather_bucket` reads a bucket the
+    cheapest way its fields allow: ``leaf_range`` / ``internal_range`` (a view),
+    ``leaf_block`` (mixed families, leaves in place), ``leaf_gather`` /
+    ``internal_gather`` (one ``index_select`` from one source; padding slots repeat
+    their family's first member, which the mask hides), else two index copies.
     """
 
     size: int
@@ -55,13 +56,13 @@ class FamilyBucket:
     leaf_range: Optional[tuple] = None
     #: when the bucket is exactly ``internal[start : start + F * b]``
     internal_range: Optional[tuple] = None
-    #: ``(start, L)`` when the first ``L`` slots of every family hold the leaves
-    #: ``start + family * L + j`` (a view of the leaf rows) and the other slots the
-    #: internal members ``internal_src`` (a caterpillar's families, e.g.)
+    #: mixed buckets: ``(start, L)`` when the first ``L`` slots of every family hold the
+    #: leaves ``start + family * L + j`` (a view of the leaf rows) and the other slots
+    #: the internal members ``internal_src`` (a caterpillar's families, e.g.)
     leaf_block: Optional[tuple] = None
-    #: ``[F * b]`` leaf row of every slot, for buckets of leaves only
+    #: ``[F * b]`` leaf row of every slot, for buckets of leaves only (no range)
     leaf_gather: Optional[Tensor] = None
-    #: ``[F * b]`` internal row of every slot, for buckets of internal nodes only
+    #: ``[F * b]`` internal row of every slot, for buckets of internal nodes only (no range)
     internal_gather: Optional[Tensor] = None
 
 
@@ -457,17 +458,19 @@ def _build(parent: Tensor) -> TreeStructure:
         internal_parent[level_ptr[d]:level_ptr[d + 1]] - level_ptr[d - 1]
         for d in range(1, max_depth + 1)]
     buckets = _family_buckets(parent_row, size, n, i, device)
-    leaf_out_index = torch.full((n,), 0, dtype=torch.long, device=device)
+    family_size = torch.bincount(parent_row, minlength=i + 1)
+    lonely_leaf = (family_size[leaf_parent] < 2).logical_or(leaf_parent == i).nonzero().flatten()
+    only_child = (family_size[internal_parent] < 2) & (internal_parent < i)
+    siblingless_levels = frozenset(internal_depth[only_child].unique().tolist())
+    # each leaf's row in the slots of the leaf-holding buckets, concatenated in bucket
+    # order; lonely leaves read the fill row after the last bucket (one loop per bucket)
+    leaf_out_index = torch.empty(n, dtype=torch.long, device=device)
     offset = 0
     for bucket in buckets:
         if bucket.leaf_slot.numel():
             leaf_out_index[bucket.leaf_src] = bucket.leaf_slot + offset
             offset += bucket.num_families * bucket.size
-    family_size = torch.bincount(parent_row, minlength=i + 1)
-    lonely_leaf = (family_size[leaf_parent] < 2).logical_or(leaf_parent == i).nonzero().flatten()
-    only_child = (family_size[internal_parent] < 2) & (internal_parent < i)
-    siblingless_levels = frozenset(internal_depth[only_child].unique().tolist())
-    leaf_out_index[lonely_leaf] = offset  # the fill row after the last bucket
+    leaf_out_index[lonely_leaf] = offset
     return TreeStructure(
         num_nodes=m, num_leaves=n, num_trees=int(roots_u.numel()),
         node_of_unified=node_of_unified, unified_of_node=unified_of_node,
@@ -520,21 +523,20 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
         leaf_slot, leaf_src = slot[is_leaf], b_members[is_leaf]
         internal_slot, internal_src = slot[~is_leaf], b_members[~is_leaf] - n
         only_leaves, only_internal = bool(is_leaf.all()), not bool(is_leaf.any())
-        leaf_range = internal_range = leaf_gather = internal_gather = None
-        if only_leaves or only_internal:
+        full = b_members.numel() == num_fam * b
+        leaf_range = internal_range = leaf_block = leaf_gather = internal_gather = None
+        if full and only_leaves and _is_arange(leaf_src, leaf_slot):
+            leaf_range = (int(leaf_src[0]), int(leaf_src[0]) + num_fam * b)
+        elif full and only_internal and _is_arange(internal_src, internal_slot):
+            internal_range = (int(internal_src[0]), int(internal_src[0]) + num_fam * b)
+        elif only_leaves or only_internal:
             rows = b_members if only_leaves else b_members - n
             # padding slots repeat their family's first member (masked by log_size)
             gather = rows[b_pos == 0].repeat_interleave(b)
             gather[slot] = rows
             leaf_gather, internal_gather = (gather, None) if only_leaves else (None, gather)
-        full = b_members.numel() == num_fam * b
-        if full and only_leaves and _is_arange(leaf_src, leaf_slot):
-            leaf_range = (int(leaf_src[0]), int(leaf_src[0]) + num_fam * b)
-        leaf_block = None if leaf_range is None else (leaf_range[0], b)
-        if full and not only_leaves and not only_internal:
+        elif full:
             leaf_block = _leaf_block(leaf_src, leaf_slot, num_fam, b)
-        if full and only_internal and _is_arange(internal_src, internal_slot):
-            internal_range = (int(internal_src[0]), int(internal_src[0]) + num_fam * b)
         buckets.append(FamilyBucket(
             size=b, num_families=num_fam, parent=fam_ids,
             leaf_slot=leaf_slot, leaf_src=leaf_src,
