@@ -93,8 +93,6 @@ class TreeStructure:
             ``d`` as an offset into depth ``d - 1`` (empty for ``d = 0``).
         buckets: the sibling families, grouped by padded size.
         lonely_leaf: leaves without siblings (only child, or a root), in no bucket.
-        siblingless_levels: depths whose internal nodes include one without siblings
-            (an only child), the only nodes whose ``eta`` is ``-inf``.
         leaf_out_index: ``[N]`` row of each leaf in the concatenated slots of the
             buckets holding leaves (in bucket order), one past the end for a lonely
             leaf: :meth:`scatter_leaves` is then one gather.
@@ -115,7 +113,6 @@ class TreeStructure:
     level_parent: List[Tensor]
     buckets: List[FamilyBucket]
     lonely_leaf: Tensor
-    siblingless_levels: frozenset
     leaf_out_index: Tensor
 
     @property
@@ -460,8 +457,6 @@ def _build(parent: Tensor) -> TreeStructure:
     buckets = _family_buckets(parent_row, size, n, i, device)
     family_size = torch.bincount(parent_row, minlength=i + 1)
     lonely_leaf = (family_size[leaf_parent] < 2).logical_or(leaf_parent == i).nonzero().flatten()
-    only_child = (family_size[internal_parent] < 2) & (internal_parent < i)
-    siblingless_levels = frozenset(internal_depth[only_child].unique().tolist())
     # each leaf's row in the slots of the leaf-holding buckets, concatenated in bucket
     # order; lonely leaves read the fill row after the last bucket (one loop per bucket)
     leaf_out_index = torch.empty(n, dtype=torch.long, device=device)
@@ -478,7 +473,7 @@ def _build(parent: Tensor) -> TreeStructure:
         leaf_size=torch.ones(n, dtype=torch.float64, device=device),
         internal_size=internal_size, depth=depth_u, leaf_tree=leaf_tree,
         level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
-        lonely_leaf=lonely_leaf, siblingless_levels=siblingless_levels,
+        lonely_leaf=lonely_leaf,
         leaf_out_index=leaf_out_index,
     )
 

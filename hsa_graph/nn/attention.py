@@ -9,7 +9,8 @@ from torch import Tensor
 from torch.nn import LayerNorm, Linear, Module
 
 from ..geometry import PositionEncoder
-from ..ops.hsa import hsa, no_autocast
+from ..ops.hsa import hsa
+from ..ops.inputs import compute_dtype, no_autocast
 from ..signal import flatten
 from .linear import ModalityLinear
 
@@ -227,9 +228,10 @@ class HSAttention(Module):
             y = v
         else:
             embeddings = self._positions(target, pos)
-            # float32 attention (float64 for float64 inputs), whatever autocast says:
-            # autocast would otherwise run HSA's matmuls in half precision.
-            dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+            # The op's compute dtype, outside autocast: under autocast the projections
+            # are half precision and the norms float32, and autocast would run HSA's
+            # matmuls in half precision again.
+            dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
             with no_autocast(x.device):
                 y = hsa(q.to(dtype), k.to(dtype), v.to(dtype), target,
                         include_self=self.include_self, scale=self.scale,

@@ -18,7 +18,7 @@ from torch.nn import Embedding, LayerNorm, Linear, Module, ModuleList, Sequentia
 
 from ..ops.cache import HSACache
 from ..ops.causal import causal_hsa
-from ..ops.hsa import resolve_structure
+from ..ops.inputs import resolve_structure
 
 __all__ = ["CausalHSAttention", "CausalDecoderLayer", "HierarchicalCausalLM"]
 

@@ -24,14 +24,15 @@ the sentence, ``attach=1`` opens a sentence and ``attach=0`` a paragraph.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .causal import causal_layout, combine_spine, member_terms, spine_step
-from .hsa import _compute_dtype, _logaddexp, resolve_structure
+from .hsa import _logaddexp
+from .inputs import check_scale, check_tensors, compute_dtype, resolve_structure
 
 __all__ = ["HSACache"]
 
@@ -52,7 +53,6 @@ class _Level:
     left_cnt: float = 0.0
     child: Optional[tuple] = None      # (sums, count, lam) of the open child
     node: int = -1                     # node index (in :attr:`HSACache.parent`) of the parent
-    extra: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -65,6 +65,8 @@ class HSACache:
     Args:
         include_self: as in :func:`~hsa_graph.ops.causal.causal_hsa`.
         scale: logit scale, ``1 / sqrt(D)`` by default.
+        max_depth: the deepest leaf :meth:`append` accepts (each level of the spine is
+            state and work per token, so an absurd ``depth`` is refused, not run).
 
     :meth:`append` returns the causal HSA output of the new token, equal (to rounding)
     to row ``i`` of :func:`~hsa_graph.ops.causal.causal_hsa` on the tree
@@ -89,9 +91,17 @@ class HSACache:
         True
     """
 
-    def __init__(self, include_self: bool = True, scale: Optional[float] = None):
+    def __init__(self, include_self: bool = True, scale: Optional[float] = None,
+                 max_depth: int = 4096):
+        if not isinstance(include_self, (bool, int)) or isinstance(include_self, float):
+            raise TypeError(f"include_self must be a bool, got {type(include_self).__name__}")
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+            raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
         self.include_self = bool(include_self)
-        self.scale = scale
+        self.scale = check_scale(scale)
+        self.max_depth = max_depth
+        #: ``(q shape, v shape, dtype, device)`` of the tokens, fixed by the first one
+        self.token_spec: Optional[tuple] = None
         self.levels: List[_Level] = []
         self.parent: List[int] = []
         self.num_tokens = 0
@@ -131,26 +141,32 @@ class HSACache:
                                          for a, d in zip(attach, depth[1:])]
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        check_tensors((("q", q), ("k", k), ("v", v)),
+                      q.device if isinstance(q, Tensor) else torch.device("cpu"))
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 2:
                 raise ValueError(f"{name} must have shape [H, D] (one token), got "
                                  f"{tuple(t.shape)}")
-            if not t.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if q.shape != k.shape:
             raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
                              f"{tuple(k.shape)}")
         if v.shape[0] != q.shape[0]:
             raise ValueError(f"v has {v.shape[0]} heads but q has {q.shape[0]}")
-        if self.levels and self.levels[0].extra["shape"] != (q.shape, v.shape):
+        if 0 in q.shape or v.shape[1] == 0:
+            raise ValueError(f"a token needs at least one head and one feature, got q "
+                             f"{tuple(q.shape)} and v {tuple(v.shape)}")
+        spec = (tuple(q.shape), tuple(v.shape), q.dtype, q.device)
+        if self.token_spec is None or not self.levels:
+            self.token_spec = spec
+        elif self.token_spec != spec:
+            held = self.token_spec
             raise ValueError(
-                f"token shapes changed: the cache holds q {tuple(self.levels[0].extra['shape'][0])}"
-                f" and v {tuple(self.levels[0].extra['shape'][1])}, got {tuple(q.shape)} and "
-                f"{tuple(v.shape)}")
-        dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-        return q.to(dtype), k.to(dtype), v.to(dtype)
+                f"token shapes changed: the cache holds q {held[0]} and v {held[1]} "
+                f"({held[2]} on {held[3]}), got {tuple(q.shape)} and {tuple(v.shape)} "
+                f"({q.dtype} on {q.device})")
+        dtype = compute_dtype(q.dtype)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        return q, k, v
 
     def _push(self, level: _Level, scale: float) -> None:
         """Close the open child of ``level``: it joins the completed children."""
@@ -193,9 +209,12 @@ class HSACache:
         prev = self.depth
         if depth is None:
             depth = prev if prev else 1
-        if not isinstance(depth, int) or depth < 1:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (leaves hang below a root), got "
                              f"{depth!r}")
+        if depth > self.max_depth:
+            raise ValueError(f"depth {depth} exceeds max_depth={self.max_depth} of this "
+                             "cache (pass HSACache(max_depth=...) for deeper trees)")
         if prev == 0:
             if attach not in (None, -1):
                 raise ValueError(f"the first token opens the root: attach must be None, got "
@@ -206,7 +225,8 @@ class HSACache:
         else:
             highest = min(prev, depth) - 1
             attach = highest if attach is None else attach
-            if not isinstance(attach, int) or not 0 <= attach <= highest:
+            if (isinstance(attach, bool) or not isinstance(attach, int)
+                    or not 0 <= attach <= highest):
                 raise ValueError(
                     f"attach must be a depth in 0..{highest} (the previous leaf is at depth "
                     f"{prev}, the new one at depth {depth}), got {attach!r}")
@@ -217,7 +237,7 @@ class HSACache:
             node = len(self.parent) - 1 if d == 0 else len(self.parent)
             if d > 0:
                 self.parent.append(self.levels[d - 1].node)
-            self.levels.append(_Level(node=node, extra={"shape": (q.shape, v.shape)}))
+            self.levels.append(_Level(node=node))
         self.parent.append(self.levels[depth - 1].node)
         self.num_tokens += 1
 

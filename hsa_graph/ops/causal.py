@@ -54,7 +54,6 @@ family tables. :class:`~hsa_graph.ops.cache.HSACache` runs the same step
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -62,15 +61,8 @@ import torch
 from torch import Tensor
 
 from ..structure import TreeStructure
-from .hsa import (
-    _check_inputs,
-    _compute_dtype,
-    _log_ratio,
-    _logaddexp,
-    hsa_statistics,
-    no_autocast,
-    resolve_structure,
-)
+from .hsa import _log_ratio, _logaddexp, hsa_statistics
+from .inputs import no_autocast, prepare_attention
 
 __all__ = ["causal_hsa", "spine_step", "combine_spine", "CausalLayout", "causal_layout",
            "family_members"]
@@ -173,6 +165,26 @@ def family_members(st: TreeStructure, order: Optional[Tensor] = None):
     return members, perms, node_bucket, node_family, node_pos
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on the inputs of :func:`causal_hsa` that refuses ``create_graph=True``:
+    the prefix log-cumsum-exp of the family tables has a NaN second derivative (its
+    ``-inf`` entries stand in as ``-1e30``), so a double backward would be silently
+    wrong rather than fail."""
+
+    @staticmethod
+    def forward(ctx, *tensors: Tensor):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "causal_hsa does not support gradients of gradients (backward with "
+                "create_graph=True, e.g. a gradient penalty); hsa, hsa_weights and "
+                "cross_hsa do")
+        return grads
+
+
 def _masked_softmax(x: Tensor, valid: Tensor) -> Tuple[Tensor, Tensor]:
     """Log-normaliser ``[...]`` and softmax weights ``[..., b]`` of the ``valid``
     entries of the last dim; ``-inf`` and zero weights (zero gradients) for rows
@@ -245,7 +257,7 @@ def member_terms(rq_s: Tensor, rk_s: Tensor, log_cnt: Tensor, mq: Tensor, mk: Te
     theta_bar = torch.matmul(weights, mv)
     # col is finite everywhere (padding included), so plain logaddexp has no NaN
     # gradient; entries outside ``valid`` are dropped by the final where
-    term = torch.logaddexp(lam, torch.logaddexp(fixed, col))
+    term = _logaddexp(lam, _logaddexp(fixed, col))
     total = torch.where(valid, logn.exp() * term, 0.0).sum(-1)
     return eta, theta_bar, total
 
@@ -269,7 +281,8 @@ def combine_spine(log_mu: Tensor, theta_bar: Tensor, v_self: Optional[Tensor],
 
 
 def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
-               scale: Optional[float] = None, pos: Optional[Tensor] = None) -> Tensor:
+               scale: Optional[float] = None, pos: Optional[Tensor] = None, *,
+               check_finite: bool = False) -> Tensor:
     r"""Causal HSA: row :math:`i` of SPEC HSA on the prefix tree :math:`T_{\le i}`.
 
     See the module docstring for the definition, its KL-optimality property and the
@@ -279,7 +292,7 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
 
     Args:
         q, k: ``[N, H, D]`` (or ``[N, D]``); v: ``[N, H, Dv]`` (or ``[N, Dv]``).
-        tree, include_self, scale, pos: as in :func:`~hsa_graph.hsa`.
+        tree, include_self, scale, pos, check_finite: as in :func:`~hsa_graph.hsa`.
 
     Returns:
         ``[N, H, Dv]`` (``[N, Dv]`` for two-dimensional inputs); row :math:`i` depends
@@ -304,17 +317,16 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
         >>> bool(torch.allclose(causal_hsa(q, k, v, flat), sdpa.transpose(0, 1)))
         True
     """
-    st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
-    q, k, v, single_head = _check_inputs(q, k, v, st, pos)
-    layout = causal_layout(st)
-    out_dtype = v.dtype
-    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    with no_autocast(q.device):
-        y = _causal_hsa(st, layout, q, k, v, include_self, scale, pos)
-    y = y.to(out_dtype)
-    return y.squeeze(1) if single_head else y
+    x = prepare_attention(q, k, v, tree, include_self=include_self, scale=scale, pos=pos,
+                          check_finite=check_finite)
+    layout = causal_layout(x.structure)
+    if x.empty:
+        return x.empty_result(x.v.shape)
+    q, k, v = _FirstOrderOnly.apply(x.q, x.k, x.v)
+    pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
+    with no_autocast(x.device):
+        y = _causal_hsa(x.structure, layout, q, k, v, x.include_self, x.scale, pos)
+    return x.finish(y)
 
 
 def _family_tables(st: TreeStructure, layout: CausalLayout, stats, node: dict):
@@ -356,7 +368,7 @@ def _complete_terms(z: Tensor, run: Tensor, lam: Tensor, logn: Tensor, rv: Tenso
     eta, weights = _masked_softmax(z, left.expand_as(z))
     theta_bar = torch.matmul(weights, rv.transpose(1, 2))                  # [F, H, b, Dv]
     # inclusive log-cumsum-exp: column p of row C sums B <= p (the diagonal is -inf)
-    inclusive = torch.logaddexp(run, z.masked_fill(~torch.isfinite(z), _FINITE_NEG))
+    inclusive = _logaddexp(run, z.masked_fill(~torch.isfinite(z), _FINITE_NEG))
     term = _logaddexp(lam.transpose(1, 2).unsqueeze(-1), inclusive)         # [F, H, C, p]
     before = left.t().expand_as(z)                                          # C < p
     size = logn.exp().to(z.dtype)[:, None, :, None]

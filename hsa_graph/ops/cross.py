@@ -31,7 +31,6 @@ and coarse attention far from it, as HSA gives a leaf of the tree. Work
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -39,30 +38,12 @@ from torch import Tensor
 
 from ..structure import TreeStructure
 from .causal import family_members
-from .hsa import _compute_dtype, _logaddexp, no_autocast, resolve_structure
+from .hsa import _logaddexp
+from .inputs import no_autocast, prepare_attention
 
 __all__ = ["cross_hsa"]
 
 NEG_INF = float("-inf")
-
-
-def _check(q: Tensor, k: Tensor, v: Tensor, st: TreeStructure):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have shape [rows, H, D], got {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != st.num_leaves:
-            raise ValueError(f"{name} has {t.shape[0]} rows but the key tree has "
-                             f"{st.num_leaves} leaves (one row per leaf)")
-    if q.shape[1:] != k.shape[1:]:
-        raise ValueError(f"q and k must agree on heads and features, got {tuple(q.shape)} "
-                         f"and {tuple(k.shape)}")
-    if v.shape[1] != q.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads but q has {q.shape[1]}")
 
 
 def _anchors(anchor: Optional[Tensor], st: TreeStructure, num_queries: int) -> Tensor:
@@ -90,21 +71,22 @@ def _anchors(anchor: Optional[Tensor], st: TreeStructure, num_queries: int) -> T
 
 
 def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = None,
-              scale: Optional[float] = None) -> Tensor:
+              scale: Optional[float] = None, *, check_finite: bool = False) -> Tensor:
     r"""Anchored hierarchical cross-attention (see the module docstring).
 
     Args:
-        q: queries ``[Nq, H, D]`` (from any source).
+        q: queries ``[Nq, H, D]`` or ``[Nq, D]`` (from any source).
         k: keys ``[N, H, D]`` and v: values ``[N, H, Dv]`` of the key tree's leaves, in
-            increasing node index.
+            increasing node index (``[N, D]`` / ``[N, Dv]`` with two-dimensional ``q``).
         tree: the key tree (a :class:`~hsa_graph.NestedSignal`, a PyG ``Batch`` of them
             or a :class:`~hsa_graph.TreeStructure`).
         anchor: ``[Nq]`` (or one) node index of the key tree per query; default its
             root (required when the key tree is a forest).
         scale: logit scale, ``1 / sqrt(D)`` by default.
+        check_finite: as in :func:`~hsa_graph.hsa` (rows of ``q`` are named by index).
 
     Returns:
-        ``[Nq, H, Dv]`` in ``v``'s dtype.
+        ``[Nq, H, Dv]`` (``[Nq, Dv]`` for two-dimensional inputs) in the inputs' dtype.
 
     Example:
         >>> import torch, hsa_graph
@@ -116,16 +98,14 @@ def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = 
         >>> bool(torch.allclose(cross_hsa(q, k, v, keys), sdpa, atol=1e-6))
         True
     """
-    st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
-    _check(q, k, v, st)
-    out_dtype = v.dtype
-    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    anchors = _anchors(anchor, st, q.shape[0])
-    with no_autocast(q.device):
-        y = _cross(st, q, k, v, anchors, scale)
-    return y.to(out_dtype)
+    x = prepare_attention(q, k, v, tree, scale=scale, check_finite=check_finite,
+                          queries_are_leaves=False)
+    anchors = _anchors(anchor, x.structure, x.q.shape[0])
+    if x.empty:
+        return x.empty_result((x.q.shape[0], *x.v.shape[1:]))
+    with no_autocast(x.device):
+        y = _cross(x.structure, x.q, x.k, x.v, anchors, x.scale)
+    return x.finish(y)
 
 
 def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,

@@ -1,20 +1,13 @@
 r"""The dense HSA attention matrix, for inspection, plots and tests (small ``N``)."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .hsa import (
-    _check_finite,
-    _check_inputs,
-    _compute_dtype,
-    hsa_statistics,
-    no_autocast,
-    resolve_structure,
-)
+from .hsa import hsa_statistics
+from .inputs import no_autocast, prepare_attention
 
 __all__ = ["hsa_weights"]
 
@@ -45,18 +38,14 @@ def hsa_weights(q: Tensor, k: Tensor, tree, include_self: bool = True,
         ``[H, N, N]`` (``[N, N]`` for two-dimensional inputs); row ``i`` is the
         distribution leaf ``i`` attends with.
     """
-    st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
-    q, k, _, single_head = _check_inputs(q, k, None, st, pos, need_v=False)
-    if check_finite:
-        _check_finite(st, (("q", q), ("k", k), ("pos", pos)))
-    out_dtype = q.dtype
-    dtype = _compute_dtype(q.dtype)
-    q, k = q.to(dtype), k.to(dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    with no_autocast(q.device):
-        theta = _dense_weights(st, q, k, include_self, scale, pos)
-    theta = theta.to(out_dtype)
-    return theta.squeeze(0) if single_head else theta
+    x = prepare_attention(q, k, None, tree, include_self=include_self, scale=scale,
+                          pos=pos, check_finite=check_finite, need_v=False)
+    n = x.structure.num_leaves
+    if x.empty:
+        return x.empty_result((x.q.shape[1], n, n), head_dim=0)
+    with no_autocast(x.device):
+        theta = _dense_weights(x.structure, x.q, x.k, x.include_self, x.scale, x.pos)
+    return x.finish(theta, head_dim=0)
 
 
 def _dense_weights(st, q: Tensor, k: Tensor, include_self: bool, scale: float,

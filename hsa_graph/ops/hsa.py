@@ -19,26 +19,44 @@ alone costs; no tensor of size ``E x H x D`` over sibling pairs is formed.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..structure import FamilyBucket, TreeStructure
+from .flash import cpu_flash_attention
+from .inputs import AttentionInputs, no_autocast, prepare_attention
 
 __all__ = ["hsa"]
 
 NEG_INF = float("-inf")
 
 
+class _LogAddExp(torch.autograd.Function):
+    """``torch.logaddexp`` with a backward written in differentiable ops that stays
+    finite at ``-inf``: zero gradients where both inputs are ``-inf`` (torch's are NaN),
+    and a double backward that is not NaN where one of them is (torch's is)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return torch.logaddexp(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, b = ctx.saved_tensors
+        # d/da = sigmoid(a - b); NaN only where a - b is (both -inf), and 0 is right there
+        da = grad * torch.sigmoid(a - b).nan_to_num(0.0) if ctx.needs_input_grad[0] else None
+        db = grad * torch.sigmoid(b - a).nan_to_num(0.0) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
 def _logaddexp(a: Tensor, b: Tensor) -> Tensor:
-    """``log(e^a + e^b)`` that is ``-inf`` with a zero (not NaN) gradient where both are."""
-    both = (a == NEG_INF) & (b == NEG_INF)
-    out = torch.logaddexp(a.masked_fill(both, 0.0), b.masked_fill(both, 0.0))
-    return out.masked_fill(both, NEG_INF)
+    """``log(e^a + e^b)``, ``-inf`` with zero gradients where both are ``-inf``, and
+    twice differentiable (see :class:`_LogAddExp`)."""
+    return _LogAddExp.apply(a, b)
 
 
 def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
@@ -66,97 +84,13 @@ def _bmm(a: Tensor, b: Tensor) -> Tensor:
     return _DenseGrad.apply(torch.matmul(a, b))
 
 
-def no_autocast(device: torch.device):
-    """A context that turns autocast off on ``device``: HSA computes half-precision
-    inputs in float32 on purpose, and autocast would downcast its matmuls again."""
-    try:
-        enabled = torch.is_autocast_enabled(device.type)
-    except (TypeError, RuntimeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
-
-
-def resolve_structure(tree, device: torch.device) -> TreeStructure:
-    """The cached :class:`TreeStructure` of ``tree`` on ``device``."""
-    if isinstance(tree, TreeStructure):
-        return tree if tree.device == device else tree.to(device)
-    structure_for = getattr(tree, "structure_for", None)
-    if structure_for is None:
-        raise TypeError(
-            "tree must be a NestedSignal (or a PyG Batch of them) or a TreeStructure, "
-            f"got {type(tree).__name__}")
-    return structure_for(device)
-
-
-def _as_heads(name: str, t: Tensor) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() == 2:
-        return t.unsqueeze(1)
-    if t.dim() != 3:
-        raise ValueError(f"{name} must have shape [N, H, D] or [N, D], got {tuple(t.shape)}")
-    return t
-
-
-def _check_inputs(q, k, v, st: TreeStructure, pos, need_v: bool = True):
-    single_head = isinstance(q, Tensor) and q.dim() == 2
-    q, k = _as_heads("q", q), _as_heads("k", k)
-    if need_v:
-        v = _as_heads("v", v)
-    n = st.num_leaves
-    for name, t in (("q", q), ("k", k)) + ((("v", v),) if need_v else ()):
-        if t.shape[0] != n:
-            raise ValueError(
-                f"{name} has {t.shape[0]} rows but the tree has {n} leaves "
-                "(one row per leaf, in increasing node index)")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
-                         f"{tuple(k.shape)}")
-    if need_v and v.shape[1] != q.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads but q has {q.shape[1]}")
-    if pos is not None:
-        if not isinstance(pos, Tensor) or not pos.is_floating_point():
-            raise TypeError("pos must be a floating-point tensor [M, P] or [M, H, P]")
-        if pos.shape[0] != st.num_nodes or pos.dim() not in (2, 3) or (
-                pos.dim() == 3 and pos.shape[1] not in (1, q.shape[1])):
-            raise ValueError(
-                f"pos must have shape [M, P] or [M, H, P] with M = {st.num_nodes} nodes "
-                f"and H = {q.shape[1]} heads, got {tuple(pos.shape)}")
-    return q, k, v, single_head
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision inputs accumulate in float32: logits, masses and sums.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _check_finite(st: TreeStructure, tensors) -> None:
-    """``check_finite=True``: name the first tensor and row holding a NaN or inf. One
-    host synchronisation per tensor, which is why it is opt-in."""
-    for name, t in tensors:
-        if t is None:
-            continue
-        bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(1)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0])
-            if name == "pos":
-                where = f"node {row}"
-            else:
-                where = f"leaf row {row} (node {int(st.node_of_unified[row])})"
-            raise ValueError(f"{name} holds a non-finite value (nan or inf) at {where}")
-
-
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                              scale: float):
-    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and q.shape[-1] == v.shape[-1]):
-        # The fused CPU kernel reads the strided family views in place and never
-        # materialises the [F, H, b, b] logits; it is the one that returns the
-        # log-sum-exp that HSA needs besides the output.
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=bias, scale=scale)
+                              scale: float) -> Tuple[Tensor, Tensor]:
+    """Softmax attention and its log-sum-exp, through :func:`cpu_flash_attention` where
+    it applies, else with plain matmuls (other devices, half precision, ``Dv != D``)."""
+    fused = cpu_flash_attention(q, k, v, bias, scale)
+    if fused is not None:
+        return fused
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         logits = logits + bias
@@ -190,13 +124,19 @@ class _FamilyAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor]):
         q, k, v, bias, out, lse = ctx.saved_tensors
+        # With create_graph=True this backward is itself differentiated (double
+        # backward), which in-place updates of its intermediates would break; otherwise
+        # they save one [F, H, b, b] buffer each.
+        inplace = not torch.is_grad_enabled()
+        mul = Tensor.mul_ if inplace else Tensor.mul
         # Contiguous [F, H, b, D] operands: batched matmuls on the strided family views
         # fall back to one small GEMM per matrix.
         q, k = q.contiguous(), k.contiguous()
-        logits = torch.matmul(q, k.transpose(-1, -2)).mul_(ctx.scale)
+        logits = mul(torch.matmul(q, k.transpose(-1, -2)), ctx.scale)
         if bias is not None:
-            logits = logits.add_(bias)
-        p = logits.sub_(lse.unsqueeze(-1)).exp_()                          # [F, H, b, b]
+            logits = logits.add_(bias) if inplace else logits + bias
+        logits = logits.sub_(lse.unsqueeze(-1)) if inplace else logits - lse.unsqueeze(-1)
+        p = logits.exp_() if inplace else logits.exp()                     # [F, H, b, b]
         dv = None
         ds = torch.zeros_like(p) if d_lse is None else d_lse.unsqueeze(-1).expand_as(p)
         if d_out is not None:
@@ -205,9 +145,9 @@ class _FamilyAttention(torch.autograd.Function):
                 dv = torch.matmul(p.transpose(-1, -2), d_out)
             dp = torch.matmul(d_out, v.contiguous().transpose(-1, -2))
             ds = dp - (d_out * out).sum(-1, keepdim=True) + ds
-        ds = p.mul_(ds)
-        dq = torch.matmul(ds, k).mul_(ctx.scale) if ctx.needs_input_grad[0] else None
-        dk = (torch.matmul(ds.transpose(-1, -2), q).mul_(ctx.scale)
+        ds = mul(p, ds)
+        dq = mul(torch.matmul(ds, k), ctx.scale) if ctx.needs_input_grad[0] else None
+        dk = (mul(torch.matmul(ds.transpose(-1, -2), q), ctx.scale)
               if ctx.needs_input_grad[1] else None)
         return dq, dk, dv, None, None
 
@@ -378,14 +318,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     leaf_weight = (1.0 / size)[st.leaf_parent].unsqueeze(-1)
     child_weight = (size[:-1] / size[st.internal_parent]).unsqueeze(-1)
 
-    # _logaddexp guards the gradient where lam and eta are both -inf, which needs a node
-    # without siblings (eta = -inf): other levels take the one-op logaddexp (deep trees
-    # run this once per level, so each level's step is kept to three ops)
-    guarded = {st.level_ptr[d] for d in st.siblingless_levels}
-
     def weighted_total(lam: Tensor, lo: int, hi: int) -> Tensor:
-        total = (_logaddexp if lo in guarded else torch.logaddexp)(lam, eta_internal[lo:hi])
-        return child_weight[lo:hi] * total
+        return child_weight[lo:hi] * _logaddexp(lam, eta_internal[lo:hi])
 
     lam_internal = st.bottom_up(st.to_internal(leaf_weight * total_leaf), weighted_total)
     total_internal = _logaddexp(lam_internal, eta_internal)
@@ -455,23 +389,18 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
         >>> hsa_graph.hsa(q, k, v, tree).shape
         torch.Size([5, 2, 8])
     """
-    st = resolve_structure(tree, q.device if isinstance(q, Tensor) else torch.device("cpu"))
-    q, k, v, single_head = _check_inputs(q, k, v, st, pos)
-    if check_finite:
-        _check_finite(st, (("q", q), ("k", k), ("v", v), ("pos", pos)))
-    out_dtype = v.dtype
-    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    with no_autocast(q.device):
-        y = _hsa(st, q, k, v, include_self, scale, pos)
-    y = y.to(out_dtype)
-    return y.squeeze(1) if single_head else y
+    x = prepare_attention(q, k, v, tree, include_self=include_self, scale=scale, pos=pos,
+                          check_finite=check_finite)
+    if x.empty:
+        return x.empty_result(x.v.shape)
+    with no_autocast(x.device):
+        y = _hsa(x)
+    return x.finish(y)
 
 
-def _hsa(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
-         scale: float, pos: Optional[Tensor]) -> Tensor:
-    stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
+def _hsa(x: AttentionInputs) -> Tensor:
+    st, v, include_self = x.structure, x.v, x.include_self
+    stats = hsa_statistics(st, x.q, x.k, include_self, x.scale, x.pos, v=v, leaf_mass=False)
 
     # A member A of a family sends w(A) = m(pa(A)) (1 - mu(A)) of its mass through the
     # family softmax. A leaf's softmax row already holds its own diagonal, so a leaf

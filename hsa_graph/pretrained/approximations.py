@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.hsa import resolve_structure
+from ..ops.inputs import resolve_structure
 from ..structure import TreeStructure
 
 __all__ = ["attention_flops", "attention_kl", "block_average_weights",
