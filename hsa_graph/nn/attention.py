@@ -210,7 +210,7 @@ class HSAttention(Module):
 
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
         """Leaf outputs ``[N, out_channels]`` (see the class docstring)."""
-        structure = _structure(tree, x)
+        structure = _structure(tree, x, self)
         n = structure.num_leaves
         if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
             raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
@@ -282,11 +282,28 @@ def leaf_modalities(tree, structure, num_modalities: int,
     return tags.to(device)[structure.node_of_unified[:structure.num_leaves]]
 
 
-def _structure(tree, x: Tensor):
+def check_features(module: Module, x: Tensor) -> None:
+    """Raise ``TypeError`` unless ``x`` is a floating tensor of ``module``'s parameter
+    dtype (a float64 ``x`` into a float32 layer would otherwise fail deep in a matmul)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x must be floating point (embed token ids first), got {x.dtype}")
+    param = next(module.parameters(), None)
+    if param is not None and x.dtype != param.dtype and not torch.is_autocast_enabled(
+            x.device.type):
+        raise TypeError(
+            f"x is {x.dtype} but the parameters of {module.__class__.__name__} are "
+            f"{param.dtype}: cast one to the other (e.g. module.to({x.dtype}))")
+
+
+def _structure(tree, x: Tensor, module: Optional[Module] = None):
+    """The structure of ``tree`` on ``x``'s device; ``x`` is checked against ``module``'s
+    dtype when one is given (callers that cast ``x`` themselves pass none)."""
+    if module is not None:
+        check_features(module, x)
+    elif not isinstance(x, Tensor) or not x.is_floating_point():
+        check_features(Module(), x)  # the type checks alone, for their messages
     structure_for = getattr(tree, "structure_for", None)
     if structure_for is None:
         raise TypeError(f"tree must be a NestedSignal or a PyG Batch of them, got "

@@ -19,6 +19,7 @@ from torch.nn import Embedding, LayerNorm, Linear, Module, ModuleList, Sequentia
 from ..ops.cache import HSACache
 from ..ops.causal import causal_hsa
 from ..ops.inputs import resolve_structure
+from .attention import _positive, check_features
 
 __all__ = ["CausalHSAttention", "CausalDecoderLayer", "HierarchicalCausalLM"]
 
@@ -58,6 +59,8 @@ class CausalHSAttention(Module):
 
     def __init__(self, channels: int, heads: int = 1, include_self: bool = True):
         super().__init__()
+        _positive("channels", channels)
+        _positive("heads", heads)
         if channels % heads:
             raise ValueError(f"channels ({channels}) must be divisible by heads ({heads})")
         self.channels, self.heads, self.include_self = channels, heads, include_self
@@ -73,6 +76,7 @@ class CausalHSAttention(Module):
         return self.qkv(x).unflatten(-1, (3, self.heads, self.channels // self.heads)).unbind(-3)
 
     def forward(self, x: Tensor, tree) -> Tensor:
+        check_features(self, x)
         q, k, v = self._split(x)
         y = causal_hsa(q, k, v, tree, include_self=self.include_self)
         return self.out(y.flatten(1))
@@ -84,6 +88,7 @@ class CausalHSAttention(Module):
     def step(self, x: Tensor, cache: HSACache, **where) -> Tensor:
         """The output for one new token ``x`` ``[C]``; ``where`` (``attach``, ``depth``)
         says where it hangs, as in :meth:`HSACache.append`."""
+        check_features(self, x)
         q, k, v = self._split(x)
         return self.out(cache.append(q, k, v, **where).flatten())
 
@@ -123,10 +128,12 @@ class CausalDecoderLayer(Module):
             layer.reset_parameters()
 
     def forward(self, x: Tensor, tree) -> Tensor:
+        check_features(self, x)
         x = x + self.attn(self.norm1(x), tree)
         return x + self.mlp(self.norm2(x))
 
     def step(self, x: Tensor, cache: HSACache, **where) -> Tensor:
+        check_features(self, x)
         x = x + self.attn.step(self.norm1(x), cache, **where)
         return x + self.mlp(self.norm2(x))
 

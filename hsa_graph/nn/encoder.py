@@ -23,7 +23,7 @@ from torch.nn import Dropout, LayerNorm, Linear, Module, ModuleList, Sequential
 from torch_geometric.nn.resolver import activation_resolver
 
 from ..geometry import FieldNameEmbedding
-from .attention import ATTENTIONS, HSAttention, PositionInput, attention_tree
+from .attention import ATTENTIONS, HSAttention, PositionInput, attention_tree, check_features
 
 __all__ = [
     "HSATransformerEncoderLayer",
@@ -172,6 +172,7 @@ class HSATransformerEncoderLayer(Module):
 
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
         """``[N, C] -> [N, C]``."""
+        check_features(self, x)
         x = x + F.dropout(self.attn(self.norm1(x), tree, pos), self.dropout, self.training)
         return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
@@ -262,6 +263,7 @@ class HierarchicalTransformerEncoder(Module):
 
     def forward(self, x: Tensor, tree) -> Tensor:
         """``[N, C] -> [N, C]``: leaf outputs."""
+        check_features(self, x)
         target = attention_tree(tree, self.attention)
         encoder = self.layers[0].attn.pos_encoder
         features = (encoder.features(target) if encoder is not None and target is not None

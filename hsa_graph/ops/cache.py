@@ -267,4 +267,4 @@ class HSACache:
         y = combine_spine(torch.stack(log_mu, 1), torch.stack(bars, 1),
                           v[None] if self.include_self else None,
                           torch.full((1,), depth, dtype=torch.long, device=q.device))
-        return y[0]
+        return y[0].to(self.token_spec[2])   # back to the tokens' dtype

@@ -96,16 +96,25 @@ class AttentionInputs:
         return self.q.device
 
     def finish(self, y: Tensor, head_dim: int = 1) -> Tensor:
-        """Cast ``y`` back to the input dtype and drop the head axis of one-head calls."""
+        """Cast ``y`` back to the input dtype and drop the head axis of one-head calls.
+
+        Where no weight reaches the inputs (every leaf alone without ``include_self``,
+        or an empty result), ``y`` is still made a function of them, with zero
+        gradients, so that ``backward`` runs as it would on any other tree."""
+        if torch.is_grad_enabled() and not y.requires_grad:
+            inputs = [t for t in (self.q, self.k, self.v, self.pos)
+                      if t is not None and t.requires_grad]
+            if inputs:
+                # where() picks the zero: no NaN from non-finite inputs, zero gradients
+                anchor = sum(t.sum() for t in inputs)
+                y = y + torch.where(torch.zeros((), dtype=torch.bool, device=y.device),
+                                    anchor, 0.0).to(y.dtype)
         y = y.to(self.out_dtype)
         return y.squeeze(head_dim) if self.single_head else y
 
     def empty_result(self, shape: Tuple[int, ...], head_dim: int = 1) -> Tensor:
-        """The zero-size result ``shape`` (head axis included), connected to the inputs
-        so that ``backward`` through it runs (and gives empty or zero gradients)."""
-        anchor = sum(t.sum() for t in (self.q, self.k, self.v) if t is not None)
-        y = self.q.new_zeros(shape) + anchor * 0
-        return self.finish(y, head_dim)
+        """The zero-size result ``shape`` (head axis included), without a kernel call."""
+        return self.finish(self.q.new_zeros(shape), head_dim)
 
 
 def _heads(name: str, t, two_dim: bool) -> Tensor:
