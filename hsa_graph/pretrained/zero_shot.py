@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..cli import show_progress
 from ..datasets.pang_lee import load_pang_lee_reviews, load_pang_lee_sentences
 from ..ops.dense import hsa_weights
 from .approximations import (
@@ -126,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="split and probe seed")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (shown by default only when stderr is a "
+                             "terminal, so redirected logs stay short)")
 
 
 def _defaults(args: argparse.Namespace) -> Dict[str, Any]:
@@ -317,7 +320,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     headline_h = parse_hierarchy(args.headline_hierarchy)
     if args.stride < 1:
         raise ValueError(f"--stride must be >= 1, got {args.stride}")
-    progress = not args.no_progress
+    progress = show_progress(args.no_progress)
     started = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
