@@ -57,6 +57,7 @@ autodoc_typehints = "signature"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True      # NamedTuple fields: one entry each, not two
 
 # The docs' own ``.. doctest::`` blocks run with ``-b doctest``; the ``>>>`` examples of
 # the docstrings run (with their module's globals) in tests/test_doctests.py.
@@ -100,13 +101,20 @@ def api_homes():
             obj = getattr(module, attr)
             if isinstance(obj, type(sys)):
                 continue                          # a submodule: it has its own page
-            # the same object re-exported further down has its entry here already
-            key = (getattr(obj, "__module__", name), getattr(obj, "__qualname__", attr)) \
-                if callable(obj) else id(obj)
-            if key in seen:
-                continue
-            seen[key] = name
-            homes[name].append(attr)
+            if callable(obj):
+                # a function or class re-exported further down has its entry here already
+                key = (getattr(obj, "__module__", name), getattr(obj, "__qualname__", attr))
+                if key not in seen:
+                    seen[key] = name
+                    homes[name].append(attr)
+            else:
+                # a constant lives where it is defined (its ``#:`` comment is read there):
+                # the deepest module that exports it
+                previous = seen.get(id(obj))
+                if previous is not None:
+                    homes[previous[0]].remove(previous[1])
+                seen[id(obj)] = (name, attr)
+                homes[name].append(attr)
     return homes
 
 
