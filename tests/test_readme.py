@@ -92,3 +92,34 @@ def test_ci_runs_the_readme_test_command_verbatim():
     docs_command = next(line for line in BASH[0].splitlines() if "sphinx" in line)
     assert docs_command in ci
     assert ci.index(test_command) < ci.index(docs_command)
+
+
+def _figure_checker():
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "check_readme_figures.py"
+    spec = importlib.util.spec_from_file_location("check_readme_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_figures_are_copied_from_their_outputs():
+    checker = _figure_checker()
+    checks = checker.check(README, ROOT / "docs" / "figures")
+    bad = [c for c in checks if not c.ok]
+    assert not bad, bad
+    sources = {c.source for c in checks}
+    assert {"docs/figures/main_job.md", "docs/figures/sentiment_full.md",
+            "docs/figures/multimodal_full.md", "docs/figures/zero_shot_results.md"} <= sources
+    assert len(checks) >= 40
+
+
+def test_figure_checker_catches_a_figure_not_in_the_output():
+    # the main job's contextual FSA figure as the README once quoted it
+    checker = _figure_checker()
+    wrong = README.replace("FSA 0.689 +- 0.096", "FSA 0.694 +- 0.086")
+    assert wrong != README
+    bad = [c for c in checker.check(wrong, ROOT / "docs" / "figures") if not c.ok]
+    assert [(c.claim, c.readme) for c in bad] == [("contextual FSA accuracy", "0.694"),
+                                                  ("contextual FSA 95% interval", "0.086")]
