@@ -510,7 +510,7 @@ def ablation_figure(results: Dict[str, Any]):
         >>> fig = ablation_figure({"stride": 2, "probe": {"test": 600, "accuracy_original": 0.7},
         ...                        "ablation": [{"start_layer": 1, "hierarchy": "(2, 4)",
         ...                                      "accuracy": 0.6}]})
-        >>> fig.axes[0].get_ylim()[0]
+        >>> float(fig.axes[0].get_ylim()[0])
         0.0
     """
     from matplotlib.figure import Figure
