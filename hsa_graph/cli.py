@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["COMMANDS", "benchmark_dir", "build_parser", "main"]
+__all__ = ["COMMANDS", "benchmark_dir", "build_parser", "main", "show_progress"]
 
 #: Experiment commands: name -> (module with add_arguments/run, one-line help).
 COMMANDS: Dict[str, Tuple[str, str]] = {
@@ -51,6 +51,26 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
 
 _EXTRAS = {"transformers": "hf", "tokenizers": "text", "safetensors": "hf", "tqdm": "experiments",
            "scipy": "test"}
+
+
+def show_progress(no_progress: bool = False) -> bool:
+    """Whether a command shows tqdm progress bars: not with ``--no-progress``, and by
+    default only when stderr is a terminal (a redirected log would fill with bars).
+
+    Args:
+        no_progress: the ``--no-progress`` flag.
+
+    Returns:
+        ``True`` when bars should be drawn.
+
+    Example:
+        >>> show_progress(no_progress=True)
+        False
+    """
+    if no_progress:
+        return False
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 # ------------------------------------------------------------------ bench
@@ -196,7 +216,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/train",
                         help="output folder: results.json, results.md, learning curves "
                              "(default results/train)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (shown by default only when stderr is a "
+                             "terminal, so redirected logs stay short)")
 
 
 def _run_train(args: argparse.Namespace) -> Dict[str, Any]:
@@ -224,7 +246,7 @@ def _run_train(args: argparse.Namespace) -> Dict[str, Any]:
     index = {label: i for i, label in enumerate(classes)}
     labels = torch.tensor([index[label] for _, label in rows])
     rank, world = init_distributed(args.device)
-    progress = not args.no_progress and rank == 0
+    progress = show_progress(args.no_progress) and rank == 0
     trees = build_review_trees([(text, index[label]) for text, label in rows], args.embedding,
                                max_tokens=args.max_tokens, cache_dir=args.cache_dir,
                                progress=progress)

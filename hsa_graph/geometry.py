@@ -1,7 +1,7 @@
 r"""Position embeddings per geometry: the per-node ``pos`` of :func:`~hsa_graph.hsa`.
 
 HSA adds :math:`\langle \varepsilon(A), \varepsilon(B) \rangle` to the logit of two
-siblings :math:`A, B` (SPEC.md section 2), where :math:`\varepsilon` is the position
+siblings :math:`A, B` (:ref:`def-hsa`), where :math:`\varepsilon` is the position
 embedding of their parent's geometry (paper section 3.2 and appendix C). A node's
 encoding is therefore fixed by its position *in its parent's geometry*:
 

@@ -378,7 +378,7 @@ def flat_attention(q: Tensor, k: Tensor, tree, include_self: bool = True,
     r"""Flat softmax attention of every leaf over the leaves of its own tree:
     ``softmax(scale * q k^T)`` masked to each tree (and off the diagonal without
     ``include_self``), ``[H, N, N]`` (``[N, N]`` for 2-D inputs). Equal to
-    ``hsa_weights(q, k, flatten(tree))`` (SPEC property 1) in one batched matmul.
+    ``hsa_weights(q, k, flatten(tree))`` (:ref:`def-prop-1`) in one batched matmul.
 
     Example:
         >>> import hsa_graph

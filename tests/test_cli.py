@@ -156,3 +156,43 @@ def test_bench(capsys, monkeypatch):
     assert "runs the scripts of a source checkout" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="runs the scripts of a source checkout"):
         cli.benchmark_dir()
+
+
+def test_top_level_help_imports_neither_torch_nor_pyg():
+    # `hsa-graph --help` must stay fast: the heavy packages load when a command runs
+    code = ("import sys; from hsa_graph.cli import main; code = main(['--help']); "
+            "print(code, sorted(m for m in ('torch', 'torch_geometric', 'transformers') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_package_names_load_on_first_use():
+    import hsa_graph
+    from hsa_graph.ops.hsa import hsa
+
+    assert hsa_graph.hsa is hsa
+    assert set(hsa_graph.__all__) <= set(dir(hsa_graph))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        hsa_graph.no_such_name  # noqa: B018
+
+
+def test_progress_bars_only_on_a_terminal():
+    # stderr a pipe (a redirected log) -> no bars; stderr a real terminal -> bars
+    import os
+    import pty
+
+    code = "from hsa_graph.cli import show_progress; print(show_progress(), show_progress(True))"
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert piped.stdout.split() == ["False", "False"], piped.stderr
+    leader, follower = pty.openpty()
+    try:
+        on_tty = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=follower, text=True, timeout=120)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert on_tty.stdout.split() == ["True", "False"]

@@ -990,8 +990,8 @@ def website_tree(
         undirected: also add every edge reversed.
         empty_token: the token of a page with no content (``None``: raise); by
             default such a page is one leaf, so that it keeps its place in the graph.
-        text_tree, embed, skip, title, main_only, image_token, max_depth,
-            max_children: as in :func:`html_tree`, for every page.
+        text_tree, embed, skip, title, main_only, image_token, max_depth, max_children:
+            as in :func:`html_tree`, for every page.
 
     Example:
         >>> site = website_tree({

@@ -14,7 +14,7 @@ Rules at the edges (the same for every length, so batches stay predictable):
 
 * **ragged end**: the last window of a level holds the ``n_{l-1} mod b_l`` nodes
   that are left over (fewer than ``b_l``); a window of one node is a unary node,
-  which HSA treats as transparent (SPEC property 5).
+  which HSA treats as transparent (:ref:`def-prop-5`).
 * **early top**: once a level has a single node, that node is the root and the rest
   of the tuple is not used (no chain of unary nodes above it).
 * **root**: when the tuple is used up and the top level still has several nodes, one

@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..cli import show_progress
 from .embeddings import static_embeddings
 from .sentiment import (
     MODEL_NAMES,
@@ -244,7 +245,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "~/.cache/hsa_graph)")
     parser.add_argument("--out", "--output-dir", dest="output_dir", default=None,
                         help="write JSON, Markdown and plots here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (shown by default only when stderr is a "
+                             "terminal, so redirected logs stay short)")
     return parser
 
 
@@ -256,7 +259,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if isinstance(value, list) else value
-    values["progress"] = not getattr(args, "no_progress", False)
+    values["progress"] = show_progress(getattr(args, "no_progress", False))
     if getattr(args, "argv", None) is not None:
         values["command"] = "hsa-graph multimodal " + " ".join(args.argv)
     out = run_multimodal(MultimodalConfig(**values))

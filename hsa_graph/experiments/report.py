@@ -236,6 +236,9 @@ def comparison_figure(rows: Sequence[Mapping[str, Any]], metric: str = "accuracy
     """A bar per row (variant, :func:`variant_label`) of ``<metric>_mean`` (or
     ``metric``) with error bars ``<metric>_ci95`` when present.
 
+    The value axis starts at zero whenever every bar and interval is non-negative: a
+    cut axis would make differences of a point or two look large.
+
     Returns:
         a :class:`matplotlib.figure.Figure`; bar heights are the values.
 
@@ -266,8 +269,8 @@ def comparison_figure(rows: Sequence[Mapping[str, Any]], metric: str = "accuracy
     ax.set_ylabel(metric + (" (95% CI)" if any(errors) else ""))
     low = min(v - e for v, e in zip(values, errors))
     high = max(v + e for v, e in zip(values, errors))
-    pad = 0.1 * (high - low) if high > low else 0.05
-    ax.set_ylim(max(0.0, low - pad) if low >= 0 else low - pad, high + pad)
+    pad = 0.1 * (high - min(low, 0.0)) if high > min(low, 0.0) else 0.05
+    ax.set_ylim(0.0 if low >= 0 else low - pad, high + pad)
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title)

@@ -1,6 +1,6 @@
 r"""A hierarchical cache for generating with causal HSA, one token at a time.
 
-The output of causal HSA at the newest leaf :math:`i` (row :math:`i` of SPEC HSA on the
+The output of causal HSA at the newest leaf :math:`i` (row :math:`i` of HSA, :ref:`def-hsa`, on the
 prefix tree :math:`T_{\le i}`, see :mod:`hsa_graph.ops.causal`) reads only
 
 * the *spine*: the ancestors of :math:`i`, whose statistics are prefix sums;

@@ -9,7 +9,7 @@ remaining leaves. Causal HSA is
 .. math::
     y_i = \big[\mathrm{HSA}(T_{\le i})\, v\big]_i ,
 
-row :math:`i` of SPEC HSA on :math:`T_{\le i}`. By construction :math:`y_i` depends on
+row :math:`i` of HSA (:ref:`def-hsa`) on :math:`T_{\le i}`. By construction :math:`y_i` depends on
 leaves :math:`\le i` only; on a flat tree it is causal softmax attention.
 
 Restricting each family's softmax to left siblings (the paper's appendix G.1) is not
@@ -23,7 +23,7 @@ child.
 **KL optimality.** Row :math:`i` is row :math:`i` of the Theorem-3.2 projection on
 :math:`T_{\le i}`: of the block-constrained, row-stochastic matrices on the leaves
 :math:`\le i`, the one that minimises :math:`\sum_{j \le i} KL(\theta_j \,\|\,
-\mathrm{flat}_j)` (SPEC property 4 on :math:`T_{\le i}`; its flat row :math:`i` is the causal
+\mathrm{flat}_j)` (:ref:`def-prop-4` on :math:`T_{\le i}`; its flat row :math:`i` is the causal
 softmax row :math:`i`). What is *not* claimed: (a) the matrix of all
 causal rows is not the projection of causal softmax onto one block structure, since
 row :math:`i` comes from its own prefix problem and two rows of one block of :math:`T`
@@ -283,7 +283,7 @@ def combine_spine(log_mu: Tensor, theta_bar: Tensor, v_self: Optional[Tensor],
 def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
                scale: Optional[float] = None, pos: Optional[Tensor] = None, *,
                check_finite: bool = False) -> Tensor:
-    r"""Causal HSA: row :math:`i` of SPEC HSA on the prefix tree :math:`T_{\le i}`.
+    r"""Causal HSA: row :math:`i` of HSA (:ref:`def-hsa`) on the prefix tree :math:`T_{\le i}`.
 
     See the module docstring for the definition, its KL-optimality property and the
     algorithm. Leaves must be in document order (increasing node index) and every

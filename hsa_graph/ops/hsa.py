@@ -1,4 +1,4 @@
-r"""Hierarchical Self-Attention: the exact operator (SPEC.md section 2).
+r"""Hierarchical Self-Attention: the exact operator (:ref:`def-hsa`).
 
 Two passes over the tree, never forming the ``N x N`` matrix:
 
@@ -60,7 +60,7 @@ def _logaddexp(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
-    """``log mu = lam - total``, defined as 0 where both are ``-inf`` (SPEC)."""
+    """``log mu = lam - total``, defined as 0 where both are ``-inf`` (:ref:`def-hsa`)."""
     both = total == NEG_INF
     return (lam.masked_fill(both, 0.0) - total.masked_fill(both, 0.0))
 
@@ -180,7 +180,7 @@ def _self_logit(q: Tensor, k: Tensor, scale: float, pos: Optional[Tensor]) -> Te
 
 @dataclass
 class HSAStatistics:
-    """Per-node quantities of SPEC section 2 in the layout of :class:`TreeStructure`
+    """Per-node quantities of :ref:`def-hsa` in the layout of :class:`TreeStructure`
     (``[N, H]`` for leaves, ``[I + 1, H]`` for internal rows, null row last).
 
     ``bucket_lse[i]`` (``[F, H, b]``) is the log-sum-exp of each member's row of bucket
@@ -342,7 +342,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
 def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
         scale: Optional[float] = None, pos: Optional[Tensor] = None, *,
         check_finite: bool = False) -> Tensor:
-    r"""Hierarchical Self-Attention of the leaves of ``tree`` (SPEC.md section 2).
+    r"""Hierarchical Self-Attention of the leaves of ``tree`` (:ref:`def-hsa`).
 
     .. math::
         y_i = \sum_j \theta_{ij} v_j, \qquad

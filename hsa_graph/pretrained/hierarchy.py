@@ -98,7 +98,7 @@ def semantic_hierarchy(encoding: Any, texts: Sequence[str], *, split_lines: bool
     :func:`~hsa_graph.builders.text.split_sentences` holding its first token's first
     character. Tokens without a word (``[CLS]``, ``[SEP]``) are children of the root;
     pads are not in the tree. Words of one piece and sentences of one word are unary
-    nodes, which change nothing in HSA (SPEC property 5). Every internal node is a
+    nodes, which change nothing in HSA (:ref:`def-prop-5`). Every internal node is a
     ``sequence``; positions are reading order.
 
     Args:

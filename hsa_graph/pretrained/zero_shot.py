@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..cli import show_progress
 from ..datasets.pang_lee import load_pang_lee_reviews, load_pang_lee_sentences
 from ..ops.dense import hsa_weights
 from .approximations import (
@@ -53,7 +54,7 @@ from .hierarchy import semantic_hierarchy, window_hierarchy
 from .minilm import load_minilm
 from .patch import patch_hsa
 
-__all__ = ["add_arguments", "run", "main", "parse_hierarchy"]
+__all__ = ["ablation_figure", "add_arguments", "run", "main", "parse_hierarchy"]
 
 DEFAULT_HIERARCHIES = "2,2,2,2;2,4,8,16;7,7,7,7;8,4,2;semantic"
 APPROXIMATIONS = ("hsa", "block_average", "pooled_softmax")
@@ -126,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="split and probe seed")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (shown by default only when stderr is a "
+                             "terminal, so redirected logs stay short)")
 
 
 def _defaults(args: argparse.Namespace) -> Dict[str, Any]:
@@ -317,7 +320,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     headline_h = parse_hierarchy(args.headline_hierarchy)
     if args.stride < 1:
         raise ValueError(f"--stride must be >= 1, got {args.stride}")
-    progress = not args.no_progress
+    progress = show_progress(args.no_progress)
     started = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -491,33 +494,61 @@ def _markdown(results: Dict[str, Any], heads: int) -> str:
     return "\n".join(lines)
 
 
+def ablation_figure(results: Dict[str, Any]):
+    """The appendix L ablation as bars: held-out probe accuracy per start layer and
+    hierarchy, each with its 95 % binomial interval (``1.96 sqrt(p (1 - p) / n)`` over
+    the ``n = results["probe"]["test"]`` held-out sentences), the original model's
+    accuracy as a dashed line, and an accuracy axis that starts at zero.
+
+    Args:
+        results: the dictionary :func:`run` returns (``ablation``, ``probe``, ``stride``).
+
+    Returns:
+        a :class:`matplotlib.figure.Figure`.
+
+    Example:
+        >>> fig = ablation_figure({"stride": 2, "probe": {"test": 600, "accuracy_original": 0.7},
+        ...                        "ablation": [{"start_layer": 1, "hierarchy": "(2, 4)",
+        ...                                      "accuracy": 0.6}]})
+        >>> float(fig.axes[0].get_ylim()[0])
+        0.0
+    """
+    from matplotlib.figure import Figure
+
+    rows = results["ablation"]
+    n_test = int(results["probe"]["test"])
+    if n_test < 1:
+        raise ValueError(f"ablation_figure: results['probe']['test'] must be >= 1, got {n_test}")
+    starts = sorted({r["start_layer"] for r in rows})
+    names = list(dict.fromkeys(r["hierarchy"] for r in rows))
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        cells = {r["start_layer"]: r["accuracy"] for r in rows if r["hierarchy"] == name}
+        kept = [s for s in starts if s in cells]
+        xs = [s + (j - (len(names) - 1) / 2) * width for s in kept]
+        values = [cells[s] for s in kept]
+        errors = [1.96 * math.sqrt(max(p * (1 - p), 0.0) / n_test) for p in values]
+        ax.bar(xs, values, width, yerr=errors, capsize=2, label=name)
+    ax.axhline(results["probe"]["accuracy_original"], color="black", linestyle="--",
+               label="original")
+    ax.set_xticks(starts)
+    ax.set_xlabel(f"start layer SL (layers SL, SL+{results['stride']}, ... run HSA)")
+    ax.set_ylabel(f"probe accuracy, held out (95% CI, n = {n_test})")
+    ax.set_ylim(0.0, 1.0)
+    ax.legend(fontsize=8, ncol=3, loc="lower right")
+    ax.set_title("Zero-shot HSA in all-MiniLM-L6-v2: Pang & Lee sentences")
+    return fig
+
+
 def _plots(results: Dict[str, Any], out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["ablation"]
-    starts = sorted({r["start_layer"] for r in rows})
-    names = list(dict.fromkeys(r["hierarchy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / max(1, len(names))
-    for j, name in enumerate(names):
-        cells = {r["start_layer"]: r["accuracy"] for r in rows if r["hierarchy"] == name}
-        xs = [s + (j - (len(names) - 1) / 2) * width for s in starts if s in cells]
-        ax.bar(xs, [cells[s] for s in starts if s in cells], width, label=name)
-    ax.axhline(results["probe"]["accuracy_original"], color="black", linestyle="--",
-               label="original")
-    ax.set_xticks(starts)
-    ax.set_xlabel(f"start layer SL (layers SL, SL+{results['stride']}, ... run HSA)")
-    ax.set_ylabel("probe accuracy (held out)")
-    low = min(r["accuracy"] for r in rows)
-    ax.set_ylim(max(0.0, low - 0.05), min(1.0, results["probe"]["accuracy_original"] + 0.05))
-    ax.legend(fontsize=8, ncol=3)
-    ax.set_title("Zero-shot HSA in all-MiniLM-L6-v2: Pang & Lee sentences")
-    fig.tight_layout()
-    fig.savefig(out_dir / "ablation.png", dpi=120)
-    plt.close(fig)
+    ablation_figure(results).savefig(out_dir / "ablation.png", dpi=120)
 
     groups = results["kl"]
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)

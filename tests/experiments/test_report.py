@@ -96,6 +96,16 @@ def test_comparison_figure():
         comparison_figure([rows[0], {"model": "x"}])
 
 
+def test_comparison_figure_starts_at_zero():
+    # close accuracies must not look far apart: the bars start at 0, not near the values
+    rows = [{"model": "HSA", "accuracy_mean": 0.797, "accuracy_ci95": 0.035},
+            {"model": "FSA", "accuracy_mean": 0.822, "accuracy_ci95": 0.027}]
+    low, high = comparison_figure(rows).axes[0].get_ylim()
+    assert low == 0.0 and high >= 0.822 + 0.027
+    signed = [{"model": "a", "delta": -0.2}, {"model": "b", "delta": 0.1}]
+    assert comparison_figure(signed, "delta").axes[0].get_ylim()[0] < -0.2
+
+
 def test_write_report(runs, tmp_path):
     summary = []
     for label in ("lr 0.003", "lr 0.03"):

@@ -82,3 +82,5 @@ def test_quick_command_line_run(pipeline, capsys):
     assert set(results) == {"hsa+gcn", "tfidf+logreg"}
     # the classic baseline on the full reviews is well above chance
     assert results["tfidf+logreg"]["test"] > 0.6
+    # the quick run is too short to learn, and its output says so next to its figure
+    assert pipeline.QUICK_NOTE in out and "near chance" in pipeline.QUICK_NOTE

@@ -7,6 +7,25 @@ import torch
 from hsa_graph.pretrained import zero_shot
 
 
+def test_ablation_figure_has_intervals_and_starts_at_zero():
+    results = {"stride": 2, "probe": {"test": 600, "accuracy_original": 0.7333},
+               "ablation": [{"start_layer": s, "hierarchy": h, "accuracy": a}
+                            for h, accs in (("(2, 4, 8, 16)", (0.7017, 0.7050)),
+                                            ("semantic", (0.7267, 0.7383)))
+                            for s, a in zip((0, 1), accs)]}
+    ax = zero_shot.ablation_figure(results).axes[0]
+    assert ax.get_ylim()[0] == 0.0
+    assert [round(float(p.get_height()), 4) for p in ax.patches] == [0.7017, 0.705, 0.7267,
+                                                                     0.7383]
+    halves = sorted(float(seg[1, 1] - seg[0, 1]) / 2 for c in ax.collections
+                    for seg in c.get_segments())
+    expected = sorted(1.96 * (a * (1 - a) / 600) ** 0.5 for a in (0.7017, 0.705, 0.7267,
+                                                                  0.7383))
+    assert halves == pytest.approx(expected)
+    with pytest.raises(ValueError, match="probe.*test"):
+        zero_shot.ablation_figure({**results, "probe": {"test": 0, "accuracy_original": 0.7}})
+
+
 def test_parse_hierarchy():
     assert zero_shot.parse_hierarchy(" 2,4,8,16 ") == (2, 4, 8, 16)
     assert zero_shot.parse_hierarchy("semantic") == "semantic"
