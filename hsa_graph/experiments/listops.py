@@ -71,7 +71,7 @@ from ..datasets.listops import (
     write_listops_tsv,
 )
 from ..nn.classifier import TreeClassifier
-from .train import TrainConfig, evaluate, fit, load_checkpoint, save_checkpoint
+from .train import TrainConfig, _cpu_state, evaluate, fit, load_checkpoint, save_checkpoint
 
 __all__ = [
     "ListOpsClassifier",
@@ -421,12 +421,12 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                    "peak_memory_mib": memory.mib,
                    "parameters": sum(p.numel() for p in model.parameters()),
                    "history": history}
-            if config.progress:
-                print(f"  test accuracy {metrics['accuracy']:.4f}, "
-                      f"{run['seconds_per_epoch']:.1f} s / epoch", flush=True)
+            # one line per run, with or without progress bars
+            print(f"[{variant} / seed {seed}] test accuracy {metrics['accuracy']:.4f}, "
+                  f"{run['seconds_per_epoch']:.1f} s / epoch", flush=True)
             if out_dir is not None:
                 path = out_dir / "checkpoints" / f"{variant}_seed{seed}.pt"
-                save_checkpoint({"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                save_checkpoint({"model": _cpu_state(model),
                                  "variant": variant, "spec": config.model_spec(),
                                  "metrics": metrics}, path)
                 run["checkpoint"] = str(path)
