@@ -159,7 +159,9 @@ class HTransformerClassifier(Module):
         except ImportError as error:
             raise ImportError("the h-transformer-1d variant needs the bench extra: pip install "
                               "h-transformer-1d") from error
-        length = 1 << max(int(max_length) - 1, 1).bit_length()
+        # its hierarchy needs at least four blocks: pad short batches up to that
+        self.min_length = 4 * block_size
+        length = max(1 << max(int(max_length) - 1, 1).bit_length(), self.min_length)
         self.max_length = length
         self.net = HTransformer1D(num_tokens=len(VOCAB) + 1, dim=channels, depth=layers,
                                   max_seq_len=length, heads=heads, dim_head=channels // heads,
@@ -178,6 +180,10 @@ class HTransformerClassifier(Module):
         if ids.shape[1] > self.max_length:
             raise ValueError(f"a sequence of {ids.shape[1]} tokens exceeds this model's "
                              f"max_length {self.max_length}")
+        if ids.shape[1] < self.min_length:
+            pad = self.min_length - ids.shape[1]
+            ids = torch.nn.functional.pad(ids, (0, pad), value=len(VOCAB))
+            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
         h = self.net(ids, mask=mask)
         pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
         return self.mlp(pooled)

@@ -114,3 +114,15 @@ def test_shared_weights_count_one_layer():
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(b) == count(one) < count(a)
     assert len(b.classifier.encoder.layers) == 4
+
+
+def test_h_transformer_on_short_sequences():
+    pytest.importorskip("h_transformer_1d")
+    from torch_geometric.data import Batch
+
+    rows = generate_listops(3, seed=0, max_depth=3, max_args=3, min_length=4, max_length=20)
+    batch = Batch.from_data_list(build_examples(rows, "windows"))
+    torch.manual_seed(0)
+    model = build_model("h-transformer-1d", channels=16, heads=2, layers=2,
+                        hidden_channels=16, max_length=20)
+    assert model(batch).shape == (3, 10)        # 20 tokens < four blocks of 16: padded
