@@ -4,6 +4,7 @@ Subcommands::
 
     hsa-graph sentiment ...     # HSA vs flat attention vs DeepSet on Pang & Lee reviews
     hsa-graph multimodal ...    # the same on image + text emoji trees
+    hsa-graph listops ...       # ListOps from scratch: HSA on the parse tree vs baselines
     hsa-graph zero-shot ...     # pre-trained MiniLM with its attention made hierarchical
     hsa-graph train ...         # train and test one text classifier on your own data
     hsa-graph bench NAME ...    # run benchmarks/bench_NAME.py of a source checkout
@@ -44,6 +45,10 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
                    "image-text matching of emoji as key-value trees (any single modality "
                    "is at chance): HSA vs flat attention vs DeepSet (the paper's "
                    "Table 2 analogue)"),
+    "listops": ("hsa_graph.experiments.listops",
+                "ListOps (regenerated Long Range Arena data) from scratch: HSA on the parse "
+                "tree vs hopping windows vs flat attention vs H-Transformer-1D vs DeepSet; "
+                "'listops evaluate' scores a checkpoint on a TSV file"),
     "zero-shot": ("hsa_graph.pretrained.zero_shot",
                   "zero-shot evaluation of the pre-trained MiniLM with hierarchical "
                   "attention"),

@@ -1,0 +1,620 @@
+r"""ListOps from scratch: what a first-class hierarchy buys when the hierarchy is exact.
+
+**Data.** Long Range Arena's ListOps (:mod:`hsa_graph.datasets.listops`), regenerated
+from LRA's specification with a fixed seed (LRA's files cannot be downloaded here):
+train / validation / test splits of distinct expressions (LRA: 96,000 / 2,000 / 2,000,
+lengths 500 to 2,000 tokens, depth at most 10, at most 10 arguments). Figures on
+regenerated data are not leaderboard figures. ``data_dir`` reads LRA-format files
+(``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv``) instead.
+
+**Models** (:data:`VARIANTS`), all trained from scratch, the same width, depth and
+parameter layout (token embedding, :class:`~hsa_graph.nn.TreeClassifier` with
+``layers`` HTE layers, mean pooling over the leaves, an MLP), so the HSA, FSA and
+DeepSet variants have equal parameter counts:
+
+* ``hsa-tree``: HSA on the parse tree (:func:`~hsa_graph.datasets.listops.listops_tree`:
+  one internal node per operator, the operator token its first leaf, closing
+  brackets dropped);
+* ``hsa-tree-brackets``: the same with ``]`` kept as each family's last leaf (the
+  alternative placement of the bracket tokens; leaves = the whole token sequence);
+* ``hsa-windows``: HSA on fixed hopping windows over the token sequence
+  (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
+* ``fsa``: flat softmax attention over the tokens (positions: each token's index);
+* ``deepset``: no attention (the bag of tokens);
+* ``h-transformer-1d``: the peer model of the ``bench`` extra (``pip install
+  h-transformer-1d``) at the same width, depth and heads, mean-pooled into the same MLP
+  (its parameter count differs and is reported).
+
+Why depth matters: an HSA layer lets every leaf of a family read its siblings (and the
+siblings of its ancestors, through the means of their subtrees), so one layer can
+compose one level of the tree; an expression of depth 10 needs about 10 layers
+(``share_weights`` applies one layer ``layers`` times instead, as a recurrent tree
+model would).
+
+**Protocol.** The test split is fixed (drawn with ``data_seed``); for each of ``seeds``
+seeds every model is initialised from the seed, trained with
+:func:`~hsa_graph.experiments.fit` (the epoch with the best validation accuracy is
+kept) and scored once on the test split. Reported: test accuracy (mean and 95 %
+Student-t interval over the seeds), seconds per training epoch, peak memory of
+training (CUDA: peak allocated; CPU: peak resident memory above the level before the
+run, sampled every 10 ms), parameters, validation accuracy per epoch (plot).
+
+Command line (``hsa-graph listops``): ``--quick`` runs a short version (shallower,
+shorter expressions, fewer examples, 3 seeds) in minutes on 2 CPU cores; without it,
+LRA's settings. ``hsa-graph listops evaluate --checkpoint PATH --data FILE.tsv``
+scores a saved model on any LRA-format file; ``hsa-graph listops generate --out DIR``
+writes the regenerated splits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.nn import Dropout, Embedding, Linear, Module, ModuleList, Sequential
+from torch_geometric.nn.resolver import activation_resolver
+
+from ..datasets.listops import (
+    LRA_SETTINGS,
+    VOCAB,
+    generate_listops_splits,
+    listops_tree,
+    parse_listops,
+    read_listops_tsv,
+    write_listops_tsv,
+)
+from ..nn.classifier import TreeClassifier
+from .train import TrainConfig, _cpu_state, evaluate, fit, load_checkpoint, save_checkpoint
+
+__all__ = [
+    "ListOpsClassifier",
+    "ListOpsConfig",
+    "QUICK",
+    "VARIANTS",
+    "HTransformerClassifier",
+    "add_arguments",
+    "build_examples",
+    "build_model",
+    "estimate_epoch_seconds",
+    "evaluate_checkpoint",
+    "run",
+    "run_listops",
+]
+
+#: variant -> (structure of the example, attention).
+VARIANTS: Dict[str, Tuple[str, str]] = {
+    "hsa-tree": ("parse", "hierarchical"),
+    "hsa-tree-brackets": ("parse_brackets", "hierarchical"),
+    "hsa-windows": ("windows", "hierarchical"),
+    "fsa": ("windows", "flat"),
+    "deepset": ("windows", "none"),
+    "h-transformer-1d": ("windows", "h-transformer-1d"),
+}
+NUM_CLASSES = 10
+WINDOWS = (2, 4, 8, 16)
+
+
+# ------------------------------------------------------------------ models
+class ListOpsClassifier(Module):
+    r"""Token embedding, then :class:`~hsa_graph.nn.TreeClassifier` (input map,
+    ``layers`` HTE layers, mean pooling over the leaves, MLP) on trees whose leaves
+    carry token ids.
+
+    Args:
+        attention: ``"hierarchical"``, ``"flat"`` or ``"none"``.
+        channels, heads, hidden_channels, pos_dim, dropout: of the classifier.
+        layers: attention layers.
+        share_weights: one layer applied ``layers`` times (parameters of one layer).
+
+    Shapes:
+        - **input:** a batch of trees with ``x`` ``[N]`` token ids.
+        - **output:** logits ``[num_trees, 10]``.
+    """
+
+    def __init__(self, attention: str = "hierarchical", *, channels: int = 64, heads: int = 4,
+                 layers: int = 10, share_weights: bool = False, hidden_channels: int = 128,
+                 pos_dim: Optional[int] = 8, dropout: float = 0.0):
+        super().__init__()
+        self.embedding = Embedding(len(VOCAB), channels)
+        self.classifier = TreeClassifier(
+            channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
+            attention=attention, num_layers=1 if share_weights else layers, pos_dim=pos_dim,
+            dropout=dropout)
+        if share_weights:  # the same module `layers` times: one set of parameters
+            self.classifier.encoder.layers = ModuleList(
+                [self.classifier.encoder.layers[0]] * layers)
+
+    def forward(self, batch) -> Tensor:
+        """Logits ``[num_trees, 10]``."""
+        x = batch.x
+        if not isinstance(x, Tensor) or x.dtype != torch.long or x.dim() != 1:
+            raise TypeError("ListOpsClassifier needs trees whose x holds token ids [N] (long)")
+        return self.classifier(self.embedding(x), batch)
+
+
+class HTransformerClassifier(Module):
+    r"""The peer H-Transformer-1D (``h_transformer_1d.HTransformer1D``, the ``bench``
+    extra) over the token sequence (the leaves of each tree, in order, right-padded),
+    mean-pooled over the real tokens into the same MLP as :class:`ListOpsClassifier`.
+
+    Args:
+        channels, heads, layers, hidden_channels: as :class:`ListOpsClassifier`.
+        max_length: longest sequence (padded up to a power of two).
+        block_size: the block size of its hierarchical attention.
+    """
+
+    def __init__(self, *, channels: int = 64, heads: int = 4, layers: int = 10,
+                 hidden_channels: int = 128, max_length: int = 2048, block_size: int = 16,
+                 dropout: float = 0.0, **_: Any):
+        super().__init__()
+        try:
+            from h_transformer_1d import HTransformer1D
+        except ImportError as error:
+            raise ImportError("the h-transformer-1d variant needs the bench extra: pip install "
+                              "h-transformer-1d") from error
+        # its hierarchy needs at least four blocks: pad short batches up to that
+        self.min_length = 4 * block_size
+        length = max(1 << max(int(max_length) - 1, 1).bit_length(), self.min_length)
+        self.max_length = length
+        self.net = HTransformer1D(num_tokens=len(VOCAB) + 1, dim=channels, depth=layers,
+                                  max_seq_len=length, heads=heads, dim_head=channels // heads,
+                                  block_size=block_size)
+        self.net.to_logits = self.net.to_logits[0]  # keep its final LayerNorm only
+        self.mlp = Sequential(Linear(channels, hidden_channels), activation_resolver("gelu"),
+                              Dropout(dropout), Linear(hidden_channels, NUM_CLASSES))
+
+    def forward(self, batch) -> Tensor:
+        """Logits ``[num_trees, 10]``."""
+        from torch_geometric.utils import to_dense_batch
+
+        leaf_tree = batch.structure.leaf_tree
+        ids, mask = to_dense_batch(batch.x, leaf_tree, fill_value=len(VOCAB),
+                                   batch_size=int(batch.num_graphs))
+        if ids.shape[1] > self.max_length:
+            raise ValueError(f"a sequence of {ids.shape[1]} tokens exceeds this model's "
+                             f"max_length {self.max_length}")
+        if ids.shape[1] < self.min_length:
+            pad = self.min_length - ids.shape[1]
+            ids = torch.nn.functional.pad(ids, (0, pad), value=len(VOCAB))
+            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+        h = self.net(ids, mask=mask)
+        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+        return self.mlp(pooled)
+
+
+def build_model(variant: str, **spec: Any) -> Module:
+    """The model of ``variant`` (:data:`VARIANTS`) with the settings ``spec``
+    (``channels``, ``heads``, ``layers``, ``share_weights``, ``hidden_channels``,
+    ``pos_dim``, ``dropout``, ``max_length``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {tuple(VARIANTS)}")
+    attention = VARIANTS[variant][1]
+    if attention == "h-transformer-1d":
+        return HTransformerClassifier(**spec)
+    spec = {k: v for k, v in spec.items() if k != "max_length"}
+    return ListOpsClassifier(attention, **spec)
+
+
+# ------------------------------------------------------------------ data
+def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
+                   where: str = "data") -> List[Any]:
+    """One tree per ``(expression, label)`` row: the parse tree (``"parse"``, or
+    ``"parse_brackets"`` with ``]`` leaves) or hopping windows over all tokens
+    (``"windows"``), each with ``x`` token ids and ``y`` the label.
+
+    Raises:
+        ValueError: naming the row, for a malformed expression or a label that is not
+            the expression's value.
+    """
+    from ..builders.windows import hopping_window_tree
+
+    if structure not in ("parse", "parse_brackets", "windows"):
+        raise ValueError(f"unknown structure {structure!r}")
+    out = []
+    for i, (expr, label) in enumerate(rows):
+        try:
+            parsed = parse_listops(expr)
+        except ValueError as error:
+            raise ValueError(f"{where}, example {i}: {error}") from None
+        if parsed.value != int(label):
+            raise ValueError(f"{where}, example {i}: the label is {label} but the "
+                             f"expression's value is {parsed.value}")
+        if structure == "windows":
+            tree = hopping_window_tree(torch.from_numpy(parsed.tokens.copy()), WINDOWS)
+            tree.y = torch.tensor([parsed.value], dtype=torch.long)
+        else:
+            tree = listops_tree(parsed, brackets=structure == "parse_brackets")
+            del tree.depth
+        out.append(tree)
+    return out
+
+
+# ------------------------------------------------------------------ config
+@dataclass
+class ListOpsConfig:
+    """Settings of :func:`run_listops` (defaults: LRA's data settings; the model and
+    training defaults are this module's choices).
+
+    Args:
+        variants: models to compare (:data:`VARIANTS`).
+        seeds: model initialisations (>= 1; >= 3 for intervals worth the name).
+        num_train, num_val, num_test, max_depth, max_args, min_length, max_length:
+            the data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`).
+        data_seed: seed of the data (the test split is fixed by it).
+        data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
+        epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
+        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout: the
+            models.
+        device: ``"cpu"`` or ``"cuda"``.
+        output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
+        progress: progress output.
+        command: the command line (for the report).
+    """
+
+    variants: Tuple[str, ...] = ("hsa-tree", "hsa-tree-brackets", "hsa-windows", "fsa",
+                                 "deepset", "h-transformer-1d")
+    seeds: int = 3
+    num_train: int = LRA_SETTINGS["num_train"]
+    num_val: int = LRA_SETTINGS["num_val"]
+    num_test: int = LRA_SETTINGS["num_test"]
+    max_depth: int = LRA_SETTINGS["max_depth"]
+    max_args: int = LRA_SETTINGS["max_args"]
+    min_length: int = LRA_SETTINGS["min_length"]
+    max_length: int = LRA_SETTINGS["max_length"]
+    data_seed: int = 0
+    data_dir: Optional[str] = None
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    grad_clip: Optional[float] = 1.0
+    channels: int = 64
+    heads: int = 4
+    layers: int = 10
+    share_weights: bool = False
+    hidden_channels: int = 128
+    pos_dim: Optional[int] = 8
+    dropout: float = 0.0
+    device: str = "cpu"
+    output_dir: Optional[str] = None
+    progress: bool = True
+    command: Optional[str] = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        if not self.variants:
+            raise ValueError("give at least one variant")
+        for name in self.variants:
+            if name not in VARIANTS:
+                raise ValueError(f"unknown variant {name!r}; choose from {tuple(VARIANTS)}")
+        for name in ("seeds", "num_train", "num_val", "num_test", "epochs", "batch_size",
+                     "channels", "heads", "layers", "hidden_channels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.channels % self.heads:
+            raise ValueError(f"channels ({self.channels}) must be a multiple of heads "
+                             f"({self.heads})")
+
+    def model_spec(self) -> Dict[str, Any]:
+        """The settings :func:`build_model` takes."""
+        return dict(channels=self.channels, heads=self.heads, layers=self.layers,
+                    share_weights=self.share_weights, hidden_channels=self.hidden_channels,
+                    pos_dim=self.pos_dim, dropout=self.dropout, max_length=self.max_length)
+
+
+#: ``--quick``: shallower and shorter expressions, fewer examples (minutes on 2 CPUs).
+QUICK = dict(num_train=2000, num_val=200, num_test=500, max_depth=4, max_args=5,
+             min_length=10, max_length=60, epochs=6, layers=4, channels=32, heads=4,
+             hidden_channels=64, batch_size=32, lr=2e-3)
+
+
+def _load_splits(config: ListOpsConfig) -> Dict[str, List[Tuple[str, int]]]:
+    if config.data_dir is not None:
+        root = Path(config.data_dir)
+        return {split: read_listops_tsv(root / f"basic_{split}.tsv")
+                for split in ("train", "val", "test")}
+    return generate_listops_splits(
+        config.num_train, config.num_val, config.num_test, seed=config.data_seed,
+        max_depth=config.max_depth, max_args=config.max_args, min_length=config.min_length,
+        max_length=config.max_length)
+
+
+# ------------------------------------------------------------------ measurement
+class _PeakMemory:
+    """Peak memory of a block: CUDA's peak allocation, or on CPU the peak resident set
+    size above the level at entry, sampled every 10 ms from ``/proc/self/statm``."""
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+        self.peak = 0
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as handle:
+                return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base, self.peak, self._stop = self._rss(), self._rss(), threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, self._rss())
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._rss())
+
+    @property
+    def mib(self) -> float:
+        return max(self.peak - self.base, 0) / 2**20
+
+
+def _interval(values: Sequence[float]) -> Tuple[float, float]:
+    from .sentiment import interval
+
+    return interval(values)
+
+
+# ------------------------------------------------------------------ protocol
+def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
+    """Train and test every variant over the seeds; returns ``{"config", "data",
+    "runs", "summary", "markdown", "seconds"}`` and writes them (and each run's best
+    checkpoint, ``checkpoints/<variant>_seed<s>.pt``) under ``config.output_dir``."""
+    config = config or ListOpsConfig()
+    config.validate()
+    start = time.perf_counter()
+    splits = _load_splits(config)
+    lengths = torch.tensor([len(e.split()) for e, _ in splits["test"]], dtype=torch.float)
+    data = {split: len(rows) for split, rows in splits.items()}
+    data.update(test_mean_tokens=float(lengths.mean()), test_max_tokens=int(lengths.max()),
+                source=config.data_dir or f"regenerated (seed {config.data_seed})",
+                generate_seconds=time.perf_counter() - start)
+    built: Dict[str, Dict[str, List[Any]]] = {}
+    runs = []
+    out_dir = Path(config.output_dir) if config.output_dir is not None else None
+    for variant in config.variants:
+        structure = VARIANTS[variant][0]
+        if structure not in built:
+            t0 = time.perf_counter()
+            built[structure] = {s: build_examples(rows, structure, where=s)
+                                for s, rows in splits.items()}
+            data[f"build_seconds_{structure}"] = time.perf_counter() - t0
+        sets = built[structure]
+        for seed in range(config.seeds):
+            torch.manual_seed(seed)
+            try:
+                model = build_model(variant, **config.model_spec())
+            except ImportError as error:
+                print(f"[{variant}] skipped: {error}", flush=True)
+                break
+            if config.progress:
+                print(f"[{variant} / seed {seed}] {len(sets['train'])} train, "
+                      f"{len(sets['val'])} val, {len(sets['test'])} test", flush=True)
+            with _PeakMemory(config.device) as memory:
+                result = fit(model, sets["train"], sets["val"], TrainConfig(
+                    epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
+                    weight_decay=config.weight_decay, seed=seed, grad_clip=config.grad_clip,
+                    device=config.device, progress=config.progress))
+            metrics = evaluate(model, sets["test"], batch_size=config.batch_size,
+                               device=config.device)
+            history = result["history"]
+            run = {"variant": variant, "seed": seed, "test_accuracy": metrics["accuracy"],
+                   "test_f1": metrics["macro_f1"], "best_epoch": result["best_epoch"],
+                   "seconds_per_epoch": sum(h["seconds"] for h in history) / max(len(history),
+                                                                               1),
+                   "peak_memory_mib": memory.mib,
+                   "parameters": sum(p.numel() for p in model.parameters()),
+                   "history": history}
+            # one line per run, with or without progress bars
+            print(f"[{variant} / seed {seed}] test accuracy {metrics['accuracy']:.4f}, "
+                  f"{run['seconds_per_epoch']:.1f} s / epoch", flush=True)
+            if out_dir is not None:
+                path = out_dir / "checkpoints" / f"{variant}_seed{seed}.pt"
+                save_checkpoint({"model": _cpu_state(model),
+                                 "variant": variant, "spec": config.model_spec(),
+                                 "metrics": metrics}, path)
+                run["checkpoint"] = str(path)
+            runs.append(run)
+    summary = []
+    for variant in config.variants:
+        rows = [r for r in runs if r["variant"] == variant]
+        if not rows:
+            continue
+        acc, half = _interval([r["test_accuracy"] for r in rows])
+        summary.append({"model": variant, "accuracy_mean": acc, "accuracy_ci95": half,
+                        "seeds": len(rows),
+                        "seconds_per_epoch": sum(r["seconds_per_epoch"] for r in rows)
+                        / len(rows),
+                        "peak_memory_mib": max(r["peak_memory_mib"] for r in rows),
+                        "parameters": rows[0]["parameters"]})
+    from .report import markdown_table
+
+    out = {"task": "listops", "title": "ListOps (regenerated LRA data): HSA on the parse tree "
+           "vs hopping windows vs FSA vs H-Transformer-1D vs DeepSet",
+           "command": config.command, "config": asdict(config), "data": data,
+           "runs": runs, "summary": summary,
+           "markdown": markdown_table(summary) if summary else "(no run)",
+           "seconds": time.perf_counter() - start}
+    if out_dir is not None:
+        from .sentiment import write_results
+
+        write_results(out, str(out_dir), "listops")
+    return out
+
+
+def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[str, Any]]:
+    """Time ``steps`` training steps (forward, backward, AdamW) per variant on data of
+    ``config``'s settings and extrapolate to one epoch of ``config.num_train`` examples;
+    also the peak memory of those steps. For budgeting the full run."""
+    import torch.nn.functional as F
+    from torch_geometric.data import Batch
+
+    config.validate()
+    rows = generate_listops_splits(config.batch_size * steps, 0, 0, seed=config.data_seed,
+                                   max_depth=config.max_depth, max_args=config.max_args,
+                                   min_length=config.min_length,
+                                   max_length=config.max_length)["train"]
+    out = []
+    for variant in config.variants:
+        examples = build_examples(rows, VARIANTS[variant][0])
+        torch.manual_seed(0)
+        try:
+            model = build_model(variant, **config.model_spec()).to(config.device)
+        except ImportError as error:
+            out.append({"model": variant, "skipped": str(error)})
+            continue
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        with _PeakMemory(config.device) as memory:
+            t0 = time.perf_counter()
+            for s in range(steps):
+                batch = Batch.from_data_list(
+                    examples[s * config.batch_size:(s + 1) * config.batch_size]).to(
+                    config.device)
+                loss = F.cross_entropy(model(batch), batch.y.view(-1))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            seconds = (time.perf_counter() - t0) / steps
+        out.append({"model": variant, "seconds_per_step": seconds,
+                    "seconds_per_epoch": seconds * config.num_train / config.batch_size,
+                    "peak_memory_mib": memory.mib,
+                    "parameters": sum(p.numel() for p in model.parameters())})
+    return out
+
+
+def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
+                        device: str = "cpu") -> Dict[str, Any]:
+    """Accuracy of the model saved by :func:`run_listops` at ``checkpoint`` on the
+    LRA-format file ``data`` (:func:`~hsa_graph.datasets.listops.read_listops_tsv`)."""
+    state = load_checkpoint(checkpoint)
+    variant, spec = state.get("variant"), state.get("spec")
+    if variant not in VARIANTS or not isinstance(spec, dict):
+        raise ValueError(f"{checkpoint} is not a ListOps checkpoint (no variant and model "
+                         f"settings)")
+    model = build_model(variant, **spec)
+    model.load_state_dict(state["model"])
+    rows = read_listops_tsv(data)
+    if not rows:
+        raise ValueError(f"{data} holds no examples")
+    examples = build_examples(rows, VARIANTS[variant][0], where=str(data))
+    metrics = evaluate(model, examples, batch_size=batch_size, device=device)
+    return {"variant": variant, "data": str(data), **metrics}
+
+
+# ------------------------------------------------------------------ command line
+_OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
+            "min_length", "max_length", "data_seed", "data_dir", "epochs", "batch_size", "lr",
+            "channels", "heads", "layers", "pos_dim", "dropout", "device", "output_dir")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This experiment's options (``hsa-graph listops``) and its ``evaluate`` and
+    ``generate`` actions."""
+    d = ListOpsConfig()
+    parser.add_argument("action", nargs="?", choices=("train", "evaluate", "generate"),
+                        default="train", help="train and compare (default); evaluate a "
+                        "checkpoint on a TSV file; generate the data as TSV files")
+    parser.add_argument("--quick", action="store_true", help="short version: " + ", ".join(
+        f"{k}={v}" for k, v in QUICK.items()) + " (explicit options win)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
+                        help=f"models (default: {' '.join(d.variants)})")
+    for name in ("seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
+                 "min_length", "max_length", "data_seed", "epochs", "batch_size", "channels",
+                 "heads", "layers", "pos_dim"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"default {getattr(d, name)}")
+    parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
+    parser.add_argument("--dropout", type=float, default=None, help=f"default {d.dropout}")
+    parser.add_argument("--share-weights", action="store_true",
+                        help="one attention layer applied --layers times")
+    parser.add_argument("--data-dir", default=None, help="read basic_{train,val,test}.tsv "
+                        "(LRA's format) from here instead of generating")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--out", "--output-dir", dest="output_dir", default=None,
+                        help="results, plots and checkpoints (train); TSV files (generate)")
+    parser.add_argument("--estimate", action="store_true", help="only time two training "
+                        "steps per model and extrapolate to one epoch")
+    parser.add_argument("--checkpoint", default=None, help="evaluate: a checkpoint of a run")
+    parser.add_argument("--data", default=None, help="evaluate: an LRA-format TSV file")
+    parser.add_argument("--parens", action="store_true",
+                        help="generate: write LRA's curried form with round brackets")
+    parser.add_argument("--no-progress", action="store_true", help="no progress output")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ListOpsConfig:
+    """The :class:`ListOpsConfig` of parsed arguments (``--quick`` first)."""
+    values: Dict[str, Any] = dict(QUICK) if getattr(args, "quick", False) else {}
+    for name in _OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = tuple(value) if isinstance(value, list) else value
+    if getattr(args, "share_weights", False):
+        values["share_weights"] = True
+    if values.get("pos_dim") == 0:
+        values["pos_dim"] = None
+    values["progress"] = not getattr(args, "no_progress", False)
+    argv = getattr(args, "argv", None)
+    if argv is not None:
+        values["command"] = "hsa-graph listops " + " ".join(argv)
+    return ListOpsConfig(**values)
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run the chosen action from parsed arguments; print its result."""
+    action = getattr(args, "action", "train")
+    if action == "evaluate":
+        if not args.checkpoint or not args.data:
+            raise ValueError("evaluate needs --checkpoint PATH and --data FILE.tsv")
+        out = evaluate_checkpoint(args.checkpoint, args.data, device=args.device or "cpu")
+        print(f"{out['variant']} on {out['data']}: accuracy {out['accuracy']:.4f} "
+              f"({out['n']} examples)")
+        return out
+    config = config_from_args(args)
+    if action == "generate":
+        if config.output_dir is None:
+            raise ValueError("generate needs --out DIR")
+        splits = _load_splits(config)
+        paths = [str(write_listops_tsv(Path(config.output_dir) / f"basic_{s}.tsv", rows,
+                                       parens=args.parens)) for s, rows in splits.items()]
+        print("\n".join(paths))
+        return {"paths": paths}
+    if getattr(args, "estimate", False):
+        rows = estimate_epoch_seconds(config)
+        from .report import markdown_table
+
+        print(markdown_table(rows))
+        if config.output_dir is not None:
+            Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(config.output_dir) / "listops_estimate.json").write_text(
+                json.dumps({"command": config.command, "rows": rows}, indent=1))
+        return {"rows": rows}
+    out = run_listops(config)
+    print(out["markdown"])
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args())

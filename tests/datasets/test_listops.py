@@ -1,0 +1,221 @@
+"""ListOps: generator, exact evaluator, LRA's TSV format and the parse-tree builder."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hsa_graph.datasets.listops import (
+    VOCAB,
+    evaluate_listops,
+    generate_listops,
+    generate_listops_splits,
+    listops_tree,
+    parse_listops,
+    read_listops_tsv,
+    to_lra_form,
+    write_listops_tsv,
+)
+
+SMALL = dict(max_depth=4, max_args=5, min_length=10, max_length=60)
+
+
+def reference_value(expression: str) -> int:
+    """A recursive evaluator written independently of the vectorised one."""
+    words = [w for w in expression.split() if w not in "()"]
+    at = 0
+
+    def item():
+        nonlocal at
+        word = words[at]
+        at += 1
+        if word.isdigit():
+            return int(word)
+        args = []
+        while words[at] != "]":
+            args.append(item())
+        at += 1
+        return {"[MAX": max, "[MIN": min, "[MED": lambda a: int(np.median(a)),
+                "[SM": lambda a: sum(a) % 10}[word](args)
+
+    value = item()
+    assert at == len(words)
+    return value
+
+
+def nesting_depth(expression: str) -> int:
+    depth = best = 0
+    for word in expression.split():
+        if word.startswith("["):
+            depth += 1
+            best = max(best, depth)
+        elif word == "]":
+            depth -= 1
+    return best
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("[MAX 2 9 [MIN 4 7 ] 0 ]", 9),
+    ("[MIN 3 8 ]", 3),
+    ("[MED 1 2 ]", 1),              # LRA: int(np.median) = floor of the middle mean
+    ("[MED 1 2 3 6 ]", 2),          # (2 + 3) / 2 = 2.5 -> 2
+    ("[MED 9 1 5 ]", 5),
+    ("[MED 8 9 ]", 8),
+    ("[SM 5 [MED 1 2 ] 7 ]", 3),    # 5 + 1 + 7 = 13 -> 3
+    ("[SM 9 9 9 9 ]", 6),
+    ("7", 7),
+    ("[MAX [MIN [SM 4 8 ] 9 ] [MED 0 0 1 ] ]", 2),
+])
+def test_evaluator_exact(expression, value):
+    assert evaluate_listops(expression) == value
+    assert evaluate_listops(to_lra_form(expression)) == value
+
+
+def test_lra_form_matches_lra_currying():
+    # LRA writes ((((op, a), b), END)) as nested round brackets
+    assert to_lra_form("[MAX 2 9 [MIN 4 7 ] 0 ]") == (
+        "( ( ( ( ( [MAX 2 ) 9 ) ( ( ( [MIN 4 ) 7 ) ] ) ) 0 ) ] )")
+    assert to_lra_form("5") == "5"
+
+
+def test_generator_deterministic_by_seed():
+    a = generate_listops(50, seed=3, **SMALL)
+    b = generate_listops(50, seed=3, **SMALL)
+    c = generate_listops(50, seed=4, **SMALL)
+    assert a == b
+    assert a != c
+
+
+def test_generator_respects_settings_and_labels():
+    data = generate_listops(300, seed=0, **SMALL)
+    assert len({e for e, _ in data}) == 300               # distinct
+    for expression, value in data:
+        tokens = expression.split()
+        assert 10 < len(tokens) < 60
+        assert nesting_depth(expression) <= 4
+        assert value == reference_value(expression)
+        p = parse_listops(expression)
+        args = np.bincount(p.parent[(p.tokens < 14) & (p.parent >= 0)],
+                           minlength=p.tokens.size)
+        ops = (p.tokens >= 10) & (p.tokens < 14)
+        assert args[ops].min() >= 2 and args[ops].max() <= 5
+    assert len({v for _, v in data}) == 10                # every class occurs
+
+
+def test_generator_lra_settings():
+    start = time.perf_counter()
+    data = generate_listops(40, seed=0)                   # LRA's defaults
+    assert time.perf_counter() - start < 10
+    lengths = [len(e.split()) for e, _ in data]
+    assert min(lengths) > 500 and max(lengths) < 2000
+    assert max(nesting_depth(e) for e, _ in data) <= 10
+    for expression, value in data[:10]:
+        assert value == reference_value(expression)
+
+
+def test_splits_disjoint():
+    s = generate_listops_splits(30, 10, 10, seed=1, **SMALL)
+    sets = [{e for e, _ in s[k]} for k in ("train", "val", "test")]
+    assert [len(x) for x in sets] == [30, 10, 10]
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+
+
+def test_generator_bad_settings():
+    with pytest.raises(ValueError, match="max_args"):
+        generate_listops(5, max_args=1)
+    with pytest.raises(ValueError, match="min_length"):
+        generate_listops(5, max_depth=2, max_args=3, min_length=100, max_length=200)
+    with pytest.raises(ValueError, match="distinct"):   # only 10 one-digit expressions
+        generate_listops(11, max_depth=1, min_length=0, max_length=2)
+
+
+@pytest.mark.parametrize("parens", [False, True])
+def test_tsv_round_trip(tmp_path, parens):
+    data = generate_listops(20, seed=2, **SMALL)
+    path = write_listops_tsv(tmp_path / "x.tsv", data, parens=parens)
+    assert path.read_text().splitlines()[0] == "Source\tTarget"
+    back = read_listops_tsv(path, check=True)
+    if parens:
+        assert [v for _, v in back] == [v for _, v in data]
+        assert [evaluate_listops(e) for e, _ in back] == [v for _, v in data]
+        assert back[0][0].startswith("(")
+    else:
+        assert back == data
+
+
+@pytest.mark.parametrize("text, match", [
+    ("Src\tTarget\n[MAX 1 2 ]\t2\n", "header"),
+    ("Source\tTarget\n[MAX 1 2 ]\n", "line 2: expected 2"),
+    ("Source\tTarget\n[MAX 1 2 ]\t12\n", "line 2: the label"),
+    ("Source\tTarget\n[MAX 1 2 ]\t1\n", "line 2: the label is 1 but"),
+    ("Source\tTarget\n[MAX 1 2\t2\n", "line 2: operator \\[MAX at token 0 is never closed"),
+    ("", "empty"),
+])
+def test_tsv_errors(tmp_path, text, match):
+    path = tmp_path / "bad.tsv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_listops_tsv(path, check=True)
+
+
+def test_parse_tree_structure():
+    tree = listops_tree("[MAX 2 9 [MIN 4 7 ] 0 ]")
+    # nodes in token order: MAX node, [MAX, 2, 9, MIN node, [MIN, 4, 7, 0
+    assert tree.parent.tolist() == [-1, 0, 0, 0, 0, 4, 4, 4, 0]
+    assert [VOCAB[i] for i in tree.x.tolist()] == ["[MAX", "2", "9", "[MIN", "4", "7", "0"]
+    assert tree.y.tolist() == [9] and tree.depth.tolist() == [2]
+    full = listops_tree("[MAX 2 9 [MIN 4 7 ] 0 ]", brackets=True)
+    assert [VOCAB[i] for i in full.x.tolist()] == "[MAX 2 9 [MIN 4 7 ] 0 ]".split()
+    assert full.parent.tolist() == [-1, 0, 0, 0, 0, 4, 4, 4, 4, 0, 0]
+
+
+def test_parse_tree_one_internal_node_per_operator():
+    for expression, _ in generate_listops(30, seed=5, **SMALL):
+        tree = listops_tree(expression)
+        words = expression.split()
+        num_ops = sum(w.startswith("[") for w in words)
+        assert tree.num_nodes - tree.num_leaves == num_ops
+        # leaves are the tokens without closing brackets, in order
+        assert [VOCAB[i] for i in tree.x.tolist()] == [w for w in words if w != "]"]
+        # every family starts with its operator token, then its arguments in order
+        parent = tree.parent
+        leaf_rows = torch.cumsum(tree.is_leaf.long(), 0) - 1
+        for node in (~tree.is_leaf).nonzero().view(-1).tolist():
+            children = (parent == node).nonzero().view(-1)
+            first = children[0]
+            assert bool(tree.is_leaf[first])
+            assert VOCAB[int(tree.x[leaf_rows[first]])].startswith("[")
+            assert tree.position[children, 0].tolist() == list(range(children.numel()))
+
+
+@pytest.mark.parametrize("expression, match", [
+    ("[MAX 1 2 ] ]", "token 4 closes no operator"),
+    ("[MAX 1 [MIN 2 ]", "token 0 is never closed"),
+    ("[MAX 1 [FOO 2 ] ]", "unknown token '\\[FOO' at token 2"),
+    ("[MAX ]", "operator \\[MAX at token 0 has no arguments"),
+    ("[MAX 1 ] 3", "token 3 \\(3\\) follows the end"),
+    ("1 2", "token 1"),
+    ("", "empty"),
+    ("( [MAX 1 ) ] ) )", "token 5 closes no"),
+    ("( ( [MAX 1 ) ]", "'\\(' at token 0 is never closed"),
+    ("12", "unknown token '12' at token 0"),
+])
+def test_malformed_expressions_name_the_position(expression, match):
+    with pytest.raises(ValueError, match=match):
+        listops_tree(expression)
+
+
+def test_hostile_inputs():
+    with pytest.raises(TypeError):
+        parse_listops(b"[MAX 1 2 ]")
+    deep = "[MAX " * 3000 + "1 " + "] " * 3000
+    with pytest.raises(ValueError, match="max_depth"):
+        parse_listops(deep)
+    assert parse_listops(deep, max_depth=None).value == 1
+    # a long flat expression: linear time
+    wide = "[SM " + "7 " * 200_000 + "]"
+    start = time.perf_counter()
+    assert evaluate_listops(wide) == (7 * 200_000) % 10
+    assert time.perf_counter() - start < 5
+    with pytest.raises(ValueError, match="unknown token"):
+        parse_listops("[MAX " + "x" * 1_000_000 + " ]")
