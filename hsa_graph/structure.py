@@ -21,13 +21,15 @@ family.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["FamilyBucket", "TreeStructure"]
+__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex",
+           "TreeStructure"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,110 @@ class FamilyBucket:
     leaf_gather: Optional[Tensor] = None
     #: ``[F * b]`` internal row of every slot, for buckets of internal nodes only (no range)
     internal_gather: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class FamilyIndex:
+    """The bucket families by member (see :attr:`TreeStructure.family_index`).
+
+    Attributes:
+        members: per bucket ``[F, b]`` unified members in slot order (``M`` on padding).
+        node_bucket, node_family, node_pos: ``[M + 1]`` bucket (``-1``: no sibling),
+            family and slot position of every unified node (row ``M``: padding).
+    """
+
+    members: List[Tensor]
+    node_bucket: Tensor
+    node_family: Tensor
+    node_pos: Tensor
+
+
+@dataclass(frozen=True)
+class CausalTiles:
+    r"""The queries of causal HSA at one depth whose spine children sit in families of
+    one padded size: the families, and the queries cut into tiles of ``T`` slots.
+
+    Depth ``d`` is the depth of the families' parent :math:`A`; the spine child
+    :math:`S` of query :math:`i` (its ancestor at depth ``d + 1``) is member ``p`` of
+    :math:`A`'s family, members sorted by first leaf. Every tile holds consecutive
+    leaf rows of one family, so the queries of a tile share their family's members:
+    one batched matmul ``[T, D] x [D, b]`` per tile. Padding slots read the tile's
+    first row and are never written back.
+
+    Attributes:
+        size: ``b``, members per family (padded); tile: ``T``, slots per tile.
+        members: ``[F, b]`` unified member ids sorted by first leaf, ``M`` on padding.
+        tile_family: ``[R]`` family of each tile.
+        slot_row: ``[R * T]`` leaf row of each slot.
+        slot_index: ``[R * T]`` ``family * b + p``: the slot's row in per-family,
+            per-position tables.
+        slot_pos: ``[R * T]`` ``p``, the position of :math:`S` in its family (0 on
+            padding, so that no member counts as a left sibling there).
+        slot_count: ``[R * T]`` :math:`n_i(S)`, the leaves of :math:`S` up to :math:`i`
+            (float64; 1 on padding).
+        slot_count_parent: ``[R * T]`` :math:`n_i(A)` likewise.
+        slot_before: ``[R * T]`` the slot holding the row just before :math:`S`'s first
+            leaf, where that row is in the same family (``slot_has_before``), else 0:
+            sums over :math:`S` up to :math:`i` are family prefix sums minus this one.
+        rows: ``(lo, hi)`` when the slots are exactly the leaf rows ``lo .. hi - 1`` in
+            order (no gather needed), else ``None``.
+        member_rows: ``(lo, hi)`` when ``members`` is exactly the unified ids
+            ``lo .. hi - 1`` in order (a view of node tables), else ``None``.
+        tile_first: ``[R]`` the first tile of each tile's family (prefix sums carry
+            across the tiles of one family).
+        slots_are_members: every tile is one family whose slots are its members, all
+            leaves (the deepest level of a tree whose leaf families are contiguous):
+            then :math:`S_i` is the member ``p`` itself.
+    """
+
+    size: int
+    tile: int
+    members: Tensor
+    tile_family: Tensor
+    tile_first: Tensor
+    slot_row: Tensor
+    slot_index: Tensor
+    slot_pos: Tensor
+    slot_count: Tensor
+    slot_count_parent: Tensor
+    slot_before: Tensor
+    slot_has_before: Tensor
+    rows: Optional[Tuple[int, int]]
+    member_rows: Optional[Tuple[int, int]]
+    slots_are_members: bool
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_family.numel()
+
+
+@dataclass(frozen=True)
+class CausalLevel:
+    """All tiles of one depth, and how their slots map back to leaf rows.
+
+    Attributes:
+        depth: the parent depth ``d``.
+        groups: one :class:`CausalTiles` per padded family size.
+        row_slot: ``[N]`` slot (in the concatenated slots of ``groups``) of each leaf
+            row; ``None`` when the slots are the rows ``0 .. N - 1`` in order.
+        active: ``[N]`` whether a row has a slot at this depth (``None``: all do);
+            the others keep their state (their ancestor at ``d`` is an only child).
+    """
+
+    depth: int
+    groups: List[CausalTiles]
+    row_slot: Optional[Tensor]
+    active: Optional[Tensor]
+
+
+@dataclass(frozen=True)
+class CausalPlan:
+    """The layout causal HSA reads, built once per structure (see
+    :attr:`TreeStructure.causal_plan`): ``levels`` deepest first, and ``first_leaf``
+    ``[M]``, the first leaf row under every unified node."""
+
+    levels: List[CausalLevel]
+    first_leaf: Tensor
 
 
 @dataclass(frozen=True)
@@ -168,6 +274,68 @@ class TreeStructure:
         n, i = self.num_leaves, self.num_internal
         both = torch.cat([self.leaf_parent, self.internal_parent])
         return torch.where(both == i, -1, both + n)
+
+    @cached_property
+    def leaf_ranges(self) -> Tuple[Tensor, Tensor]:
+        """``[M]`` first and last leaf row under every unified node (a leaf: itself),
+        built once per structure, one pass per depth."""
+        n, i, ptr = self.num_leaves, self.num_internal, self.level_ptr
+        leaves = torch.arange(n, device=self.device)
+        lo = torch.full((i + 1,), n, dtype=torch.long, device=self.device)
+        hi = torch.full((i + 1,), -1, dtype=torch.long, device=self.device)
+        lo = lo.scatter_reduce(0, self.leaf_parent, leaves, "amin")
+        hi = hi.scatter_reduce(0, self.leaf_parent, leaves, "amax")
+        for d in range(self.max_depth, 0, -1):
+            a, b = ptr[d], ptr[d + 1]
+            lo = lo.scatter_reduce(0, self.internal_parent[a:b], lo[a:b], "amin")
+            hi = hi.scatter_reduce(0, self.internal_parent[a:b], hi[a:b], "amax")
+        return torch.cat([leaves, lo[:i]]), torch.cat([leaves, hi[:i]])
+
+    def check_contiguous(self, what: str = "causal HSA") -> None:
+        """Raise ``ValueError`` unless the leaves of every node are a contiguous range of
+        leaf rows (document order), naming the first node that breaks it."""
+        n = self.num_leaves
+        lo, hi = (t[n:] for t in self.leaf_ranges)
+        broken = (hi - lo + 1) != self.internal_size.long()
+        if bool(broken.any()):
+            row = int(broken.nonzero()[0])
+            node = int(self.node_of_unified[n + row])
+            raise ValueError(
+                f"{what} needs the leaves of every node to be a contiguous range in leaf "
+                f"order (increasing node index), but node {node} holds "
+                f"{int(self.internal_size[row])} leaves spread over leaf rows "
+                f"{int(lo[row])}..{int(hi[row])}")
+
+    @cached_property
+    def causal_plan(self) -> CausalPlan:
+        """The tiles causal HSA runs on (:class:`CausalPlan`), built on first use and
+        cached, so a decoder stack pays for it once per batch. Raises ``ValueError``
+        when some node's leaves are not contiguous."""
+        self.check_contiguous()
+        return _causal_plan(self)
+
+    @cached_property
+    def family_index(self) -> FamilyIndex:
+        """Every bucket's families as unified member ids, and each node's bucket, family
+        and slot position (:class:`FamilyIndex`), built once per structure."""
+        n, m, dev = self.num_leaves, self.num_nodes, self.device
+        node_bucket = torch.full((m + 1,), -1, dtype=torch.long, device=dev)
+        node_family = torch.zeros(m + 1, dtype=torch.long, device=dev)
+        node_pos = torch.zeros(m + 1, dtype=torch.long, device=dev)
+        members = []
+        for index, bucket in enumerate(self.buckets):
+            f, b = bucket.num_families, bucket.size
+            slot_member = torch.full((f * b,), m, dtype=torch.long, device=dev)
+            slot_member[bucket.leaf_slot] = bucket.leaf_src
+            slot_member[bucket.internal_slot] = bucket.internal_src + n
+            slots = torch.cat([bucket.leaf_slot, bucket.internal_slot])
+            real = slot_member[slots]
+            node_bucket[real] = index
+            node_family[real] = slots.div(b, rounding_mode="floor")
+            node_pos[real] = slots % b
+            members.append(slot_member.view(f, b))
+        return FamilyIndex(members=members, node_bucket=node_bucket, node_family=node_family,
+                           node_pos=node_pos)
 
     # ------------------------------------------------------------------ passes
     # Every pass below is vectorised over the nodes of one depth and loops only over
@@ -323,7 +491,7 @@ class TreeStructure:
             if isinstance(value, list):
                 return [move(v) for v in value]
             return value
-        return TreeStructure(**{k: move(v) for k, v in vars(self).items()})
+        return TreeStructure(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
     @classmethod
     def from_parent(cls, parent: Tensor) -> TreeStructure:
@@ -564,3 +732,122 @@ def _is_arange(src: Tensor, slot: Tensor) -> bool:
         return False
     return bool((src - src[0] == slot - slot[0]).all()) and bool((slot == torch.arange(
         slot.numel(), device=slot.device)).all())
+
+
+def _causal_plan(st: TreeStructure) -> CausalPlan:
+    """Build the :class:`CausalPlan` of ``st`` (leaves contiguous under every node):
+    every family of two or more members at once, grouped by (depth, padded size), with
+    one host synchronisation for the per-group integers and a loop over groups only."""
+    n, m, dev = st.num_leaves, st.num_nodes, st.device
+    first, last = st.leaf_ranges
+    parent_u = st.parent_unified()
+    child = (parent_u >= 0).nonzero().flatten()
+    par = parent_u[child]
+    keep = torch.bincount(par, minlength=m)[par] >= 2
+    child, par = child[keep], par[keep]
+    if child.numel() == 0:
+        return CausalPlan(levels=[], first_leaf=first)
+    order = torch.sort(par * (n + 1) + first[child]).indices    # by family, then document
+    child, par = child[order], par[order]
+    fam_ids, fam_of_member, fam_count = torch.unique_consecutive(
+        par, return_inverse=True, return_counts=True)
+    pos = torch.arange(child.numel(), device=dev) - (fam_count.cumsum(0) - fam_count)[fam_of_member]
+    fam_size = _padded_size(fam_count)
+    fam_first, fam_leaves = first[fam_ids], last[fam_ids] - first[fam_ids] + 1
+    key = st.depth[fam_ids] * (2 * m + 2) + fam_size
+    group_key, fam_group = torch.unique(key, return_inverse=True)
+    num_groups = group_key.numel()
+
+    def per_group(values: Tensor, reduce: str = "sum") -> Tensor:
+        init = {"sum": 0, "amin": n + 1, "amax": -1}[reduce]
+        out = torch.full((num_groups,), init, dtype=values.dtype, device=dev)
+        return out.scatter_reduce(0, fam_group, values, reduce)
+
+    group_fams = per_group(torch.ones_like(fam_group))
+    group_leaves = per_group(fam_leaves)
+    size_of_group = group_key % (2 * m + 2)
+    # T: a power of two near half the mean rows per family, and at least b, so that a
+    # tile's member tables ([b, D]) stay small next to its query rows ([T, D])
+    half_mean = (group_leaves.double() / group_fams / 2).clamp_min(1)
+    tile = torch.maximum(size_of_group, torch.pow(2, torch.floor(torch.log2(half_mean))).long())
+    fam_tiles = (fam_leaves + tile[fam_group] - 1).div(tile[fam_group], rounding_mode="floor")
+    group_tiles = per_group(fam_tiles)
+    in_order = ((per_group(last[fam_ids], "amax") - per_group(fam_first, "amin") + 1
+                 == group_leaves) & (group_tiles * tile == group_leaves))
+    info = torch.stack([group_key // (2 * m + 2), size_of_group, tile, group_fams,
+                        group_tiles, group_leaves, in_order.long(),
+                        per_group(fam_first, "amin")], 1).tolist()     # the one sync
+
+    # families sorted by (group, first leaf); their rank inside their group
+    fam_order = torch.sort(fam_group * (n + 1) + fam_first).indices
+    group_start = group_fams.cumsum(0) - group_fams
+    fam_local = torch.empty_like(fam_group)
+    fam_local[fam_order] = (torch.arange(fam_order.numel(), device=dev)
+                            - group_start[fam_group[fam_order]])
+    by_depth: dict = {}
+    offset = 0
+    for g, (depth, b, t, num_fam, num_tiles, leaves, ordered, lo) in enumerate(info):
+        fams = fam_order[offset:offset + num_fam]
+        offset += num_fam
+        mine = fam_group[fam_of_member] == g
+        members = torch.full((num_fam * b,), m, dtype=torch.long, device=dev)
+        members[fam_local[fam_of_member[mine]] * b + pos[mine]] = child[mine]
+        members = members.view(num_fam, b)
+        tiles_of = fam_tiles[fams]
+        tile_family = torch.repeat_interleave(
+            torch.arange(num_fam, device=dev), tiles_of, output_size=num_tiles)
+        within = torch.arange(num_tiles, device=dev) - (tiles_of.cumsum(0) - tiles_of)[tile_family]
+        row0 = fam_first[fams][tile_family] + within * t                    # [R]
+        rows = row0[:, None] + torch.arange(t, device=dev)                   # [R, T]
+        real = rows <= last[fam_ids[fams]][tile_family][:, None]
+        rows = torch.where(real, rows, row0[:, None])
+        member_first = torch.where(members < m, first[members.clamp_max(m - 1)], n + 1)
+        p = (member_first[tile_family][:, None, :] <= rows[..., None]).sum(-1) - 1
+        p = torch.where(real, p, 0)
+        spine = members[tile_family[:, None], p]
+        count = torch.where(real, rows - first[spine] + 1, 1).double()
+        count_parent = torch.where(real, rows - fam_first[fams][tile_family][:, None] + 1,
+                                   1).double()
+        # the slot of row first(S) - 1 (slots of a family are its rows, in order)
+        family_slot0 = ((tiles_of.cumsum(0) - tiles_of) * t)[tile_family][:, None]
+        before = family_slot0 + first[spine] - 1 - fam_first[fams][tile_family][:, None]
+        has_before = real & (first[spine] > fam_first[fams][tile_family][:, None])
+        flat_members = members.flatten()
+        member_rows = None
+        if bool((flat_members < m).all()) and _is_arange(flat_members, torch.arange(
+                flat_members.numel(), device=dev)):
+            member_rows = (int(flat_members[0]), int(flat_members[0]) + flat_members.numel())
+        slots_are_members = (num_tiles == num_fam and t == b and bool(
+            ((members == rows) | (members == m)).all()))
+        group = CausalTiles(
+            size=b, tile=t, members=members, tile_family=tile_family,
+            tile_first=(tiles_of.cumsum(0) - tiles_of)[tile_family],
+            slot_row=rows.flatten(), slot_index=(tile_family[:, None] * b + p).flatten(),
+            slot_pos=p.flatten(), slot_count=count.flatten(),
+            slot_count_parent=count_parent.flatten(),
+            slot_before=torch.where(has_before, before, 0).flatten(),
+            slot_has_before=has_before.flatten(),
+            rows=(lo, lo + leaves) if ordered else None, member_rows=member_rows,
+            slots_are_members=slots_are_members)
+        by_depth.setdefault(depth, []).append((group, real.flatten(), leaves))
+
+    levels = []
+    for depth in sorted(by_depth, reverse=True):
+        entries = by_depth[depth]
+        groups = [group for group, _, _ in entries]
+        if len(groups) == 1 and groups[0].rows == (0, n):
+            levels.append(CausalLevel(depth, groups, None, None))
+            continue
+        slot_ids, rows, start = [], [], 0
+        for group, real, _ in entries:
+            slot_ids.append(torch.arange(start, start + real.numel(), device=dev)[real])
+            rows.append(group.slot_row[real])
+            start += real.numel()
+        rows = torch.cat(rows)
+        row_slot = torch.zeros(n, dtype=torch.long, device=dev).index_copy(
+            0, rows, torch.cat(slot_ids))
+        covered = sum(leaves for _, _, leaves in entries) == n
+        active = None if covered else torch.zeros(n, dtype=torch.bool, device=dev).index_fill(
+            0, rows, True)
+        levels.append(CausalLevel(depth, groups, row_slot, active))
+    return CausalPlan(levels=levels, first_leaf=first)

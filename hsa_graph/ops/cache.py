@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .causal import causal_layout, combine_spine, member_terms, spine_step
+from .causal import combine_spine, member_terms, spine_step
 from .hsa import _logaddexp
 from .inputs import check_scale, check_tensors, compute_dtype, resolve_structure
 
@@ -132,7 +132,8 @@ class HSACache:
         st = resolve_structure(tree, torch.device("cpu"))
         if st.num_trees != 1:
             raise ValueError(f"moves_of needs one tree, got a forest of {st.num_trees}")
-        paths = causal_layout(st).paths                     # checks contiguity
+        st.check_contiguous("moves_of")
+        paths = st.leaf_paths()
         depth = st.depth[:st.num_leaves]
         same = ((paths[1:] == paths[:-1]) & (paths[1:] >= 0)).long().cumprod(1)
         attach = (same.sum(1) - 1).tolist()

@@ -60,109 +60,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..structure import TreeStructure
+from ..structure import CausalTiles, TreeStructure
 from .hsa import _log_ratio, _logaddexp, hsa_statistics
 from .inputs import no_autocast, prepare_attention
 
-__all__ = ["causal_hsa", "spine_step", "combine_spine", "CausalLayout", "causal_layout",
-           "family_members"]
+__all__ = ["causal_hsa", "combine_spine", "member_terms", "spine_step"]
 
 NEG_INF = float("-inf")
 _FINITE_NEG = -1e30  # stands in for -inf inside logcumsumexp, whose backward NaNs on -inf
-
-
-@dataclass(frozen=True)
-class CausalLayout:
-    """Leaf ranges and leaf-ordered families of a :class:`TreeStructure`.
-
-    Unified node indices as in :class:`TreeStructure`, plus a padding row ``M``.
-
-    Attributes:
-        first: ``[M + 1]`` first leaf of each node (``N`` for the padding row).
-        paths: ``[N, L]`` unified ancestor of each leaf at each depth, ``-1`` below it.
-        members: per bucket ``[F, b]`` unified members of each family sorted by first
-            leaf (padding ``M`` last).
-        perm: per bucket ``[F, b]`` the bucket slot of each sorted member.
-        node_bucket / node_family / node_pos: ``[M + 1]`` bucket, family and sorted
-            position of every node in its family (``-1`` bucket: no sibling).
-    """
-
-    first: Tensor
-    paths: Tensor
-    members: List[Tensor]
-    perm: List[Tensor]
-    node_bucket: Tensor
-    node_family: Tensor
-    node_pos: Tensor
-
-
-def _leaf_ranges(st: TreeStructure) -> Tuple[Tensor, Tensor]:
-    """First and last leaf of every internal row (levels, not nodes)."""
-    n, i, ptr = st.num_leaves, st.num_internal, st.level_ptr
-    dev = st.device
-    leaves = torch.arange(n, device=dev)
-    lo = torch.full((i + 1,), n, dtype=torch.long, device=dev)
-    hi = torch.full((i + 1,), -1, dtype=torch.long, device=dev)
-    lo = lo.scatter_reduce(0, st.leaf_parent, leaves, "amin")
-    hi = hi.scatter_reduce(0, st.leaf_parent, leaves, "amax")
-    for d in range(st.max_depth, 0, -1):
-        a, b = ptr[d], ptr[d + 1]
-        lo = lo.scatter_reduce(0, st.internal_parent[a:b], lo[a:b], "amin")
-        hi = hi.scatter_reduce(0, st.internal_parent[a:b], hi[a:b], "amax")
-    return lo[:i], hi[:i]
-
-
-def causal_layout(st: TreeStructure) -> CausalLayout:
-    """Build the :class:`CausalLayout` of ``st``; raises ``ValueError`` when the leaves
-    of some node are not a contiguous range in leaf order (causal HSA needs it)."""
-    n = st.num_leaves
-    dev = st.device
-    lo, hi = _leaf_ranges(st)
-    broken = (hi - lo + 1) != st.internal_size.long()
-    if bool(broken.any()):
-        row = int(broken.nonzero()[0])
-        node = int(st.node_of_unified[n + row])
-        raise ValueError(
-            f"causal HSA needs the leaves of every node to be a contiguous range in leaf "
-            f"order (increasing node index), but node {node} holds "
-            f"{int(st.internal_size[row])} leaves spread over leaf rows "
-            f"{int(lo[row])}..{int(hi[row])}")
-    first = torch.cat([torch.arange(n, device=dev), lo, lo.new_full((1,), n)])
-    members, perms, node_bucket, node_family, node_pos = family_members(st, first)
-    return CausalLayout(first=first, paths=st.leaf_paths(), members=members, perm=perms,
-                        node_bucket=node_bucket, node_family=node_family, node_pos=node_pos)
-
-
-def family_members(st: TreeStructure, order: Optional[Tensor] = None):
-    """Unified members of each bucket's families, ``[F, b]`` per bucket (padding ``M``),
-    sorted within a family by ``order`` (``[M + 1]``, e.g. the first leaf) when given,
-    else in bucket slot order; the slot permutation; and per node ``[M + 1]`` its bucket
-    (``-1``: no sibling), family and position."""
-    n, m, dev = st.num_leaves, st.num_nodes, st.device
-    node_bucket = torch.full((m + 1,), -1, dtype=torch.long, device=dev)
-    node_family = torch.zeros(m + 1, dtype=torch.long, device=dev)
-    node_pos = torch.zeros(m + 1, dtype=torch.long, device=dev)
-    members, perms = [], []
-    for index, bucket in enumerate(st.buckets):
-        f, b = bucket.num_families, bucket.size
-        slot_member = torch.full((f * b,), m, dtype=torch.long, device=dev)
-        slot_member[bucket.leaf_slot] = bucket.leaf_src
-        slot_member[bucket.internal_slot] = bucket.internal_src + n
-        slot_member = slot_member.view(f, b)
-        if order is None:
-            perm = torch.arange(b, device=dev).expand(f, b)
-        else:
-            perm = torch.sort(order[slot_member], dim=1, stable=True).indices
-        sorted_member = slot_member.gather(1, perm)
-        real = sorted_member < m
-        fam = torch.arange(f, device=dev)[:, None].expand(f, b)
-        pos = torch.arange(b, device=dev)[None, :].expand(f, b)
-        node_bucket[sorted_member[real]] = index
-        node_family[sorted_member[real]] = fam[real]
-        node_pos[sorted_member[real]] = pos[real]
-        members.append(sorted_member)
-        perms.append(perm)
-    return members, perms, node_bucket, node_family, node_pos
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -190,7 +95,8 @@ def _masked_softmax(x: Tensor, valid: Tensor) -> Tuple[Tensor, Tensor]:
     entries of the last dim; ``-inf`` and zero weights (zero gradients) for rows
     without one."""
     any_valid = valid.any(-1, keepdim=True)
-    safe = x.masked_fill(~valid, NEG_INF).masked_fill(~any_valid, 0.0)
+    # rows without a valid entry hold zeros (a finite logsumexp, no NaN gradient)
+    safe = x.masked_fill(~valid, NEG_INF).masked_fill_(~any_valid, 0.0)
     lse = torch.logsumexp(safe, -1, keepdim=True)
     weights = torch.exp(safe - lse).masked_fill(~any_valid, 0.0)
     return lse.squeeze(-1).masked_fill(~any_valid.squeeze(-1), NEG_INF), weights
@@ -319,61 +225,14 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     """
     x = prepare_attention(q, k, v, tree, include_self=include_self, scale=scale, pos=pos,
                           check_finite=check_finite)
-    layout = causal_layout(x.structure)
+    plan = x.structure.causal_plan      # checks contiguity; built once per structure
     if x.empty:
         return x.empty_result(x.v.shape)
     q, k, v = _FirstOrderOnly.apply(x.q, x.k, x.v)
     pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
     with no_autocast(x.device):
-        y = _causal_hsa(x.structure, layout, q, k, v, x.include_self, x.scale, pos)
+        y = _causal_hsa(x.structure, plan, q, k, v, x.include_self, x.scale, pos)
     return x.finish(y)
-
-
-def _family_tables(st: TreeStructure, layout: CausalLayout, stats, node: dict):
-    """Per bucket, in leaf order: ``F(C, p)`` ``[F, H, b, b]`` (the exclusive
-    log-cumsum-exp of each family's sibling logits, column ``p``) and the exclusive
-    cumulative sums of ``q``, ``k``, ``v`` sums and counts over family positions."""
-    tables = []
-    for bucket, perm, mem, logits in zip(st.buckets, layout.perm, layout.members,
-                                         stats.bucket_logits):
-        f, h, b = logits.shape[0], logits.shape[1], bucket.size
-        rows = perm[:, None, :, None].expand(f, h, b, b)
-        cols = perm[:, None, None, :].expand(f, h, b, b)
-        z = logits.gather(2, rows).gather(3, cols)           # z(C, B) + log n(B), leaf order
-        finite = torch.isfinite(z)
-        run = torch.logcumsumexp(z.masked_fill(~finite, _FINITE_NEG), -1)
-        run = torch.cat([run.new_full((f, h, b, 1), _FINITE_NEG), run[..., :-1]], -1)
-        fixed = run.masked_fill(run < _FINITE_NEG / 2, NEG_INF)
-
-        def excl(t: Tensor) -> Tensor:
-            c = torch.cumsum(t, 1)
-            return torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1)
-
-        table = dict(fixed=fixed, sq=excl(node["sq"][mem]), sk=excl(node["sk"][mem]),
-                     sv=excl(node["sv"][mem]), cnt=excl(node["cnt"][mem]))
-        if bucket.leaf_slot.numel():
-            table.update(_complete_terms(z, run, node["lam"][mem], node["logn"][mem],
-                                         node["rv"][mem]))
-        tables.append(table)
-    return tables
-
-
-def _complete_terms(z: Tensor, run: Tensor, lam: Tensor, logn: Tensor, rv: Tensor) -> dict:
-    """For a complete spine child ``S`` at every position ``p`` of its family (leaf
-    order), what :func:`spine_step` needs, as ``[F, H, b]`` family-level matrix ops:
-    ``eta(S)`` and ``theta_bar(S)`` over ``B < p``, and ``sum_{C < p} n(C)
-    logaddexp(lam(C), eta(C))`` where ``eta(C)`` sums over ``B <= p, B != C``."""
-    b = z.shape[-1]
-    left = torch.ones(b, b, dtype=torch.bool, device=z.device).tril(-1)   # [S, B]: B < S
-    eta, weights = _masked_softmax(z, left.expand_as(z))
-    theta_bar = torch.matmul(weights, rv.transpose(1, 2))                  # [F, H, b, Dv]
-    # inclusive log-cumsum-exp: column p of row C sums B <= p (the diagonal is -inf)
-    inclusive = _logaddexp(run, z.masked_fill(~torch.isfinite(z), _FINITE_NEG))
-    term = _logaddexp(lam.transpose(1, 2).unsqueeze(-1), inclusive)         # [F, H, C, p]
-    before = left.t().expand_as(z)                                          # C < p
-    size = logn.exp().to(z.dtype)[:, None, :, None]
-    total = torch.where(before, size * term.masked_fill(~before, 0.0), 0.0).sum(-2)
-    return dict(eta=eta, theta_bar=theta_bar, total=total)
 
 
 def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale: float,
@@ -402,131 +261,278 @@ def _internal_lam(st: TreeStructure, stats, size: Tensor) -> Tensor:
     return lam
 
 
-def _grouped_member_terms(members: Tensor, fixed: Tensor, fam: Tensor, p: Tensor,
-                          s_sum: Tuple[Tensor, Tensor], s_cnt: Tensor,
-                          s_pos: Optional[Tensor], node: dict,
-                          node_pos: Optional[Tensor], scale: float) -> dict:
-    """:func:`member_terms` for queries whose partial spine children sit in families
-    ``fam`` at positions ``p``: queries are padded per family (``[G, L]``) so that each
-    family's members are gathered once, not once per query."""
-    dev = fam.device
-    fams, group = torch.unique(fam, return_inverse=True)
-    order = torch.argsort(group, stable=True)
-    counts = torch.bincount(group, minlength=fams.numel())
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(group)
-    rank[order] = torch.arange(group.numel(), device=dev) - starts[group[order]]
-    g, width = fams.numel(), int(counts.max())
-    slot = group * width + rank
+@dataclass
+class NodeTables:
+    r"""Head-major per-node quantities of the full tree that the spine steps read.
 
-    def pad(t: Tensor) -> Tensor:          # [Q, ...] -> [G, L, ...]
-        out = t.new_zeros((g * width, *t.shape[1:]))
-        return out.index_copy(0, slot, t).view(g, width, *t.shape[1:])
+    Leaf and internal rows are kept apart, each contiguous ``[H, rows, ...]``: a slice
+    of either merges its head and tile axes into one batch axis, so batched matmuls
+    read it in place. :meth:`members` reads unified node ids (``M``: padding).
 
-    def unpad(t: Tensor) -> Tensor:        # [G, H, L, ...] -> [Q, H, ...]
-        t = t.transpose(1, 2)
-        return t.reshape(g * width, *t.shape[2:])[slot]
+    Attributes:
+        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]``.
+        internal: ``(r_q, r_k, r_v)`` subtree means ``[H, I + 1, ...]`` (null row last,
+            zero: what padding members read).
+        lam: ``[H, M + 1]`` :math:`\lambda` of every node (padding row last).
+        size: ``[M + 1]`` :math:`n(A)`; log_size: its log, ``-inf`` on the padding row.
+        pos: ``[H or 1, M + 1, P]`` node positions, or ``None``.
+    """
 
-    mem = members[fams]                                                    # [G, b]
-    b = mem.shape[1]
-    cnt = s_cnt.to(s_sum[0].dtype)
-    rq_s = pad(s_sum[0] / cnt[:, None, None]).transpose(1, 2)              # [G, H, L, D]
-    rk_s = pad(s_sum[1] / cnt[:, None, None]).transpose(1, 2)
-    log_cnt = pad(cnt.log()).unsqueeze(1)                                  # [G, 1, L]
-    p_pad = pad(p)                                                         # [G, L]; 0 on padding
-    valid = (torch.arange(b, device=dev) < p_pad.unsqueeze(-1)).unsqueeze(1)
-    h = rq_s.shape[1]
-    cols = fixed[fams]                                                     # [G, H, b, b]
-    fixed_q = cols.gather(3, p_pad[:, None, None, :].expand(g, h, b, width)).transpose(-1, -2)
+    leaf: Tuple[Tensor, Tensor, Tensor]
+    internal: Tuple[Tensor, Tensor, Tensor]
+    lam: Tensor
+    size: Tensor
+    log_size: Tensor
+    pos: Optional[Tensor]
+    _unified: Optional[Tuple[Tensor, Tensor, Tensor]] = None
 
-    def members_of(name: str) -> Tensor:
-        return node[name][mem].transpose(1, 2)                             # [G, H, b, ...]
-
-    dots = None
-    if s_pos is not None:
-        dots = torch.matmul(pad(s_pos).transpose(1, 2), members_of_pos(node_pos, mem))
-    eta, theta_bar, total = member_terms(
-        rq_s, rk_s, log_cnt, members_of("rq"), members_of("rk"), members_of("rv"),
-        node["logn"][mem][:, None, None, :], node["lam"][mem].transpose(1, 2).unsqueeze(2),
-        fixed_q, valid, scale, dots)
-    return dict(eta=unpad(eta), theta_bar=unpad(theta_bar), total=unpad(total))
+    def members(self, which: int, g: CausalTiles) -> Tensor:
+        """Table ``which`` (0: q, 1: k, 2: v) of ``g``'s members: ``[H, F, b, ...]``."""
+        leaf, internal = self.leaf[which], self.internal[which]
+        n = leaf.shape[1]
+        f, b = g.members.shape
+        if g.member_rows is not None and g.member_rows[1] <= n:
+            out = leaf[:, g.member_rows[0]:g.member_rows[1]]
+        elif g.member_rows is not None and g.member_rows[0] >= n:
+            out = internal[:, g.member_rows[0] - n:g.member_rows[1] - n]
+        else:
+            if self._unified is None:   # mixed families: one unified table, once per call
+                self._unified = tuple(torch.cat([a, c], 1)
+                                      for a, c in zip(self.leaf, self.internal))
+            out = self._unified[which].index_select(1, g.members.flatten())
+        return out.reshape(out.shape[0], f, b, *out.shape[2:])
 
 
-def members_of_pos(node_pos: Tensor, mem: Tensor) -> Tensor:
-    """``[G, h, P, b]`` position embeddings of the members ``mem`` ``[G, b]``."""
-    return node_pos[mem].permute(0, 2, 3, 1)
+@dataclass(frozen=True)
+class SpineStep:
+    r"""One depth of the spine recursion for the slots of a :class:`CausalTiles` group:
+    :math:`\lambda_i(A)` ``[H, slots]``, what each query carries up to the next depth,
+    and :math:`\log\mu_i(S)` ``[H, slots]`` and :math:`\bar\theta_i(S)`
+    ``[H, slots, Dv]`` for the top-down pass."""
+
+    lam: Tensor
+    log_mu: Tensor
+    theta_bar: Tensor
 
 
-def _causal_hsa(st: TreeStructure, layout: CausalLayout, q: Tensor, k: Tensor, v: Tensor,
-                include_self: bool, scale: float, pos: Optional[Tensor]) -> Tensor:
+def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
+                 include_self: bool, scale: float, pos: Optional[Tensor]) -> NodeTables:
     n = st.num_leaves
-    stats = hsa_statistics(st, q, k, include_self, scale, pos)
-    rv = st.subtree_mean(v)
-    # Unified node tables (leaves, internal rows, padding row M = the null row).
     size = torch.cat([q.new_ones(n), st.internal_size.to(q.dtype), q.new_ones(1)])
     lam = torch.cat([_leaf_lam(st, q, k, include_self, scale, pos),
                      _internal_lam(st, stats, size)])
-    node = dict(rq=torch.cat([q, stats.rq]), rk=torch.cat([k, stats.rk]),
-                rv=torch.cat([v, rv]), lam=lam, cnt=size, logn=size.log())
-    node["sq"] = node["rq"] * size[:, None, None]
-    node["sk"] = node["rk"] * size[:, None, None]
-    node["sv"] = node["rv"] * size[:, None, None]
+
+    def head_major(t: Tensor) -> Tensor:
+        return t.transpose(0, 1).contiguous()
+
     node_pos = None
     if pos is not None:
-        node_pos = pos.to(q.dtype)[st.node_of_unified]
-        node_pos = node_pos.unsqueeze(1) if node_pos.dim() == 2 else node_pos
-        node_pos = torch.cat([node_pos, node_pos.new_zeros((1, *node_pos.shape[1:]))])
-    tables = _family_tables(st, layout, stats, node)
+        p = pos.to(q.dtype)[st.node_of_unified]
+        p = p.unsqueeze(1) if p.dim() == 2 else p
+        node_pos = head_major(torch.cat([p, p.new_zeros((1, *p.shape[1:]))]))
+    log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
+    return NodeTables(leaf=(head_major(q), head_major(k), head_major(v)),
+                      internal=(head_major(stats.rq), head_major(stats.rk),
+                                head_major(stats.rv)),
+                      lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
 
-    paths = layout.paths
-    depth_count = paths.shape[1]
-    h, dv = v.shape[1], v.shape[2]
-    # Spine state per query, starting at the leaf itself.
-    s_sum = (q, k, v)
-    s_cnt = q.new_ones(n)
-    s_lam = lam[:n]
-    log_mu_levels = [q.new_zeros(n, h) for _ in range(depth_count)]
-    bar_levels = [v.new_zeros(n, h, dv) for _ in range(depth_count)]
-    for d in range(depth_count - 2, -1, -1):
-        child = paths[:, d + 1]
-        active = (child >= 0).nonzero().flatten()
-        if active.numel() == 0:
-            continue
-        # groups: the bucket of the spine child's family, complete (leaf) children apart
-        s_all = child[active]
-        groups = layout.node_bucket[s_all] * 2 + (s_all >= n).long()
-        new_sum = list(s_sum)
-        new_cnt, new_lam = s_cnt, s_lam
-        lvl_mu, lvl_bar = log_mu_levels[d + 1], bar_levels[d + 1]
-        for key in torch.unique(groups).tolist():
-            sel = active[groups == key]
-            g = key // 2 if key >= 0 else -1
-            s_node = child[sel]
-            terms = None
-            if g >= 0:
-                fam, p = layout.node_family[s_node], layout.node_pos[s_node]
-                table = tables[g]
-                terms = dict(left=(table["sq"][fam, p], table["sk"][fam, p],
-                                   table["sv"][fam, p]), left_cnt=table["cnt"][fam, p])
-                if key % 2 == 0:  # complete (leaf) children: read the family tables
-                    terms.update(eta=table["eta"][fam, :, p],
-                                 theta_bar=table["theta_bar"][fam, :, p],
-                                 total=table["total"][fam, :, p])
-                else:
-                    terms.update(_grouped_member_terms(
-                        layout.members[g], table["fixed"], fam, p,
-                        tuple(t[sel] for t in s_sum[:2]), s_cnt[sel],
-                        None if node_pos is None else node_pos[s_node], node, node_pos,
-                        scale))
-            out = spine_step(tuple(t[sel] for t in s_sum), s_cnt[sel], s_lam[sel], terms)
-            a_sum, a_cnt, a_lam, log_mu, bar = out
-            new_sum = [t.index_copy(0, sel, a) for t, a in zip(new_sum, a_sum)]
-            new_cnt = new_cnt.index_copy(0, sel, a_cnt)
-            new_lam = new_lam.index_copy(0, sel, a_lam)
-            lvl_mu = lvl_mu.index_copy(0, sel, log_mu)
-            lvl_bar = lvl_bar.index_copy(0, sel, bar)
-        log_mu_levels[d + 1], bar_levels[d + 1] = lvl_mu, lvl_bar
-        s_sum, s_cnt, s_lam = tuple(new_sum), new_cnt, new_lam
-    leaf_depth = st.depth[:n]
-    return combine_spine(torch.stack(log_mu_levels, 1), torch.stack(bar_levels, 1),
-                         v if include_self else None, leaf_depth)
+
+def _family_position_table(t: Tensor) -> Tensor:
+    """``[H, F, p, ...]`` per-family, per-position values -> ``[H, F * b, ...]`` rows,
+    read per slot with :attr:`CausalTiles.slot_index`."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
+
+
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``[H, R, ., .]`` operands. Slices of the head-major node tables have
+    batch axes ``H, R`` that do not merge into one, so ``torch.matmul`` would copy them
+    whole; one batched matmul per head reads them in place."""
+    def merges(t: Tensor) -> bool:
+        return t.stride(0) == t.shape[1] * t.stride(1) or t.shape[1] == 1
+    if merges(a) and merges(b):
+        return torch.matmul(a, b)
+    heads = max(a.shape[0], b.shape[0])
+    a, b = a.expand(heads, *a.shape[1:]), b.expand(heads, *b.shape[1:])
+    return torch.stack([torch.matmul(x, y) for x, y in zip(a, b)])
+
+
+def _exclusive_logcumsumexp(z: Tensor) -> Tensor:
+    r"""``F[..., C, p] = log sum_{B < p} e^{z[..., C, B]}`` (``-inf`` for an empty sum).
+    A scan, so that ``F(C, p)`` reads only ``B < p`` even in its rounding (a row max
+    shift would let later leaves change earlier outputs in the last bit)."""
+    finite = torch.isfinite(z)
+    run = torch.logcumsumexp(z.masked_fill(~finite, _FINITE_NEG), -1)
+    run = torch.cat([run.new_full((*run.shape[:-1], 1), _FINITE_NEG), run[..., :-1]], -1)
+    return run.masked_fill(run < _FINITE_NEG / 2, NEG_INF)
+
+
+def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
+                leaf_k: Tensor, scale: float) -> SpineStep:
+    r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
+    module docstring): for query :math:`i` with spine child :math:`S` at position
+    :math:`p` of its family,
+
+    .. math::
+        z(S_i, B) &= \tfrac{s}{n_i(S)} \langle \Sigma_q(S_i), r_k(B)\rangle
+            + \langle\varepsilon(S), \varepsilon(B)\rangle + \log n(B), \\
+        \eta_i(S) &= \mathrm{logsumexp}_{B < p}\, z(S_i, B), \qquad
+        \bar\theta_i(S) = \mathrm{softmax}_{B < p}(z(S_i, \cdot))\, r_v, \\
+        \eta_i(C) &= \mathrm{logaddexp}\big(F(C, p),\ z(C, S_i) + \log n_i(S)\big),\\
+        \lambda_i(A) &= \tfrac{1}{n_i(A)}\Big(\textstyle\sum_{C < p} n(C)\,
+            \mathrm{logaddexp}(\lambda(C), \eta_i(C))
+            + n_i(S)\,\mathrm{logaddexp}(\lambda_i(S), \eta_i(S))\Big),
+
+    where :math:`\Sigma_q(S_i)` sums ``q`` over the leaves of :math:`S` up to :math:`i`
+    and :math:`F(C, p) = \log\sum_{B < p, B \ne C} n(B) e^{z(C, B)}`; and
+    :math:`\log\mu_i(S) = \lambda_i(S) - \mathrm{logaddexp}(\lambda_i(S),
+    \eta_i(S))`. All queries of a tile share one family, so each product is one
+    batched matmul ``[T, D] x [D, b]`` per tile, never a per-query gather of members.
+    """
+    f, b, t, r = g.members.shape[0], g.size, g.tile, g.num_tiles
+
+    def member_table(table: Tensor) -> Tensor:          # [H, M + 1, ...] -> [H, F, b, ...]
+        out = table.index_select(1, g.members.flatten())
+        return out.view(table.shape[0], f, b, *table.shape[2:])
+
+    def per_tile(table: Tensor) -> Tensor:               # [H, F, ...] -> [H, R, ...]
+        return table if r == f else table.index_select(1, g.tile_family)
+
+    def slots(table: Tensor) -> Tensor:                  # leaf rows [H, N, ...] -> [H, R, T, ...]
+        if g.rows is not None:
+            out = table[:, g.rows[0]:g.rows[1]]
+        else:
+            out = table.index_select(1, g.slot_row)
+        return out.reshape(table.shape[0], r, t, *table.shape[2:])
+
+    def per_slot(table: Tensor) -> Tensor:               # [H, F, b, ...] -> [H, R, T, ...]
+        rows = table.reshape(table.shape[0], f * b, *table.shape[3:])
+        return rows.index_select(1, g.slot_index).view(table.shape[0], r, t, *table.shape[3:])
+
+    def flat(x: Tensor) -> Tensor:                       # [H, R, T, ...] -> [H, R * T, ...]
+        return x.reshape(x.shape[0], r * t, *x.shape[3:])
+
+    mq, mk, mv = nodes.members(0, g), nodes.members(1, g), nodes.members(2, g)
+    log_n, size_m = nodes.log_size[g.members], nodes.size[g.members]        # [F, b]
+    # z(C, B) + log n(B) among each family's members, and F(C, p) from it
+    z = _matmul(mq, mk.transpose(-1, -2)) * scale + log_n[:, None, :]
+    pos_dots = None
+    if nodes.pos is not None:
+        mp = member_table(nodes.pos)
+        pos_dots = torch.matmul(mp, mp.transpose(-1, -2))                  # [H', F, b, b]
+        z = z + pos_dots
+    z = z.masked_fill(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
+    fixed = _exclusive_logcumsumexp(z).transpose(-1, -2)                    # [H, F, p, C]
+    valid = torch.arange(b, device=z.device) < g.slot_pos.view(r, t, 1)    # [R, T, b]
+    lam_s = slots(lam)
+    if g.slots_are_members:
+        # S_i is the leaf i = member p itself: z already holds both directions
+        count = None
+        row, col = z, z.transpose(-1, -2)
+    else:
+        fixed = per_slot(fixed)
+        count = g.slot_count.to(mq.dtype).view(r, t)
+        per_count = (scale / count).unsqueeze(-1)                           # [R, T, 1]
+        # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of
+        # <q_j, r_k(B)>: running sums of [T, b] logits, not of [T, D] vectors
+        row = (_spine_sums(g, _matmul(slots(leaf_q), per_tile(mk).transpose(-1, -2)))
+               * per_count + per_tile(log_n[None])[0][:, None, :])
+        col = (_spine_sums(g, _matmul(slots(leaf_k), per_tile(mq).transpose(-1, -2)))
+               * per_count + count.log()[..., None])
+        if pos_dots is not None:
+            dots = per_slot(pos_dots)
+            row, col = row + dots, col + dots
+    eta_s, weights = _masked_softmax(row, valid)
+    theta_bar = _matmul(weights, per_tile(mv))                             # [H, R, T, Dv]
+    # entries outside ``valid`` (the diagonal, right siblings, padding) may be -inf
+    # pairs: _logaddexp gives them zero gradients, and the where drops them
+    term = _logaddexp(per_tile(member_table(nodes.lam))[:, :, None, :],
+                      _logaddexp(fixed, col))
+    total = torch.where(valid, per_tile(size_m[None])[0][:, None, :] * term, 0.0).sum(-1)
+    total_s = _logaddexp(lam_s, eta_s)
+    parent_count = g.slot_count_parent.to(mq.dtype).view(r, t)
+    lam_a = (total + total_s) / parent_count if count is None else (
+        (total + count * total_s) / parent_count)
+    return SpineStep(lam=flat(lam_a), log_mu=flat(_log_ratio(lam_s, total_s)),
+                     theta_bar=flat(theta_bar))
+
+
+def _spine_sums(g: CausalTiles, x: Tensor) -> Tensor:
+    """Per-leaf values ``[H, R, T, b]`` in slot layout -> their sums over the leaves of
+    each slot's spine child :math:`S` up to the slot: family prefix sums minus the one
+    just before :math:`S`'s first leaf."""
+    run = _tile_prefix_sums(g, x)
+    h, r, t, b = run.shape
+    flat = run.reshape(h, r * t, b)
+    before = flat.index_select(1, g.slot_before).masked_fill_(
+        ~g.slot_has_before.view(1, -1, 1), 0.0)
+    return flat.sub(before).view(h, r, t, b)
+
+
+_SCAN_BLOCK = 64
+
+
+def _tile_prefix_sums(g: CausalTiles, x: Tensor) -> Tensor:
+    """``[H, R, T, X]`` per-row values in slot layout -> their sums over each family's
+    rows up to every slot.
+
+    A cumulative sum inside blocks of up to 64 rows (``torch.cumsum`` over a long middle
+    axis is several times slower on CPU than over short blocks), plus one carry per
+    block: the totals of the family's earlier blocks, accumulated in float64 and
+    shifted rather than subtracted, so a slot's sum reads earlier rows only, even in its
+    rounding. Padding slots trail the real ones and never enter a real slot's sum."""
+    h, r, t, d = x.shape
+    block = _SCAN_BLOCK if t > _SCAN_BLOCK and t % _SCAN_BLOCK == 0 else t
+    blocks = t // block
+    run = torch.cumsum(x.view(h, r, blocks, block, d), 3)              # [H, R, T/B, B, X]
+    one_tile_per_family = g.num_tiles == g.members.shape[0]
+    if blocks == 1 and one_tile_per_family:
+        return run.view(h, r, t, d)
+    total = run[:, :, :, -1].reshape(h, r * blocks, d).to(torch.float64)
+    before = torch.cat([total.new_zeros(h, 1, d), torch.cumsum(total, 1)[:, :-1]], 1)
+    first = torch.arange(r, device=x.device) if one_tile_per_family else g.tile_first
+    start = (first * blocks).repeat_interleave(blocks)                 # family's first block
+    carry = (before - before.index_select(1, start)).to(x.dtype)
+    return run.add_(carry.view(h, r, blocks, 1, d)).view(h, r, t, d)
+
+
+def _rows_of(level, parts: List[Tensor], old: Optional[Tensor]) -> Tensor:
+    """Slot results of a level's groups ``[H, slots, ...]`` -> leaf rows ``[H, N, ...]``;
+    rows without a slot keep ``old`` (or get zeros)."""
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    if level.row_slot is not None:
+        out = out.index_select(1, level.row_slot)
+    if level.active is None:
+        return out
+    mask = level.active.view(1, -1, *([1] * (out.dim() - 2)))
+    return torch.where(mask, out, 0.0 if old is None else old)
+
+
+def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
+                include_self: bool, scale: float, pos: Optional[Tensor]) -> Tensor:
+    stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
+    nodes = _node_tables(st, stats, q, k, v, include_self, scale, pos)
+    n = st.num_leaves
+    (leaf_q, leaf_k, leaf_v), lam = nodes.leaf, nodes.lam[:, :n]
+    per_level = []
+    for level in plan.levels:                       # deepest first: bottom-up
+        steps = [_spine_step(g, nodes, lam, leaf_q, leaf_k, scale) for g in level.groups]
+        lam = _rows_of(level, [s.lam for s in steps], lam)
+        per_level.append((_rows_of(level, [s.log_mu for s in steps], None),
+                          _rows_of(level, [s.theta_bar for s in steps], None)))
+    # top-down: y = sum over the spine of m(above) (1 - mu) theta_bar, plus m(i) v_i
+    y = None
+    log_m = None
+    for log_mu, theta_bar in reversed(per_level):
+        share = -torch.expm1(log_mu) if log_m is None else log_m.exp() * -torch.expm1(log_mu)
+        y = (share.unsqueeze(-1) * theta_bar if y is None
+             else torch.addcmul(y, share.unsqueeze(-1), theta_bar))
+        log_m = log_mu if log_m is None else log_m + log_mu
+    v_hm = leaf_v
+    if include_self:
+        if log_m is None:
+            y = v_hm if y is None else y + v_hm
+        else:
+            y = torch.addcmul(y, log_m.exp().unsqueeze(-1), v_hm)
+    elif y is None:
+        y = torch.zeros_like(v_hm)
+    return y.transpose(0, 1).contiguous()

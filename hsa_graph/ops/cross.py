@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from ..structure import TreeStructure
-from .causal import family_members
 from .hsa import _logaddexp
 from .inputs import no_autocast, prepare_attention
 
@@ -111,7 +110,8 @@ def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = 
 def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
            scale: float) -> Tensor:
     n, m, dev = st.num_leaves, st.num_nodes, q.device
-    members, _, node_bucket, node_family, node_pos = family_members(st)
+    index = st.family_index
+    members, node_bucket, node_family = index.members, index.node_bucket, index.node_family
     rk = torch.cat([k, st.subtree_mean(k)])                       # [M + 1, H, D]
     rv = torch.cat([v, st.subtree_mean(v)])
     size = torch.cat([q.new_ones(n), st.internal_size.to(q.dtype), q.new_ones(1)])
