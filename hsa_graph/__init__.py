@@ -23,7 +23,7 @@ from .ops.causal import causal_hsa
 from .ops.cross import cross_hsa
 from .ops.dense import hsa_weights
 from .ops.hsa import hsa
-from .signal import GEOMETRIES, NestedSignal, Node, flatten
+from .signal import GEOMETRIES, NestedSignal, Node, collate, flatten
 from .structure import FamilyBucket, TreeStructure
 
 __version__ = "0.1.0"
@@ -46,6 +46,7 @@ __all__ = [
     "Node",
     "TreeStructure",
     "causal_hsa",
+    "collate",
     "cross_hsa",
     "flatten",
     "hsa",
