@@ -299,6 +299,7 @@ class NestedSignal(Data):
                              "(key=...) were given for its children")
         if sibling_edge_index is not None:
             sibling_edge_index = _check_sibling_edges(sibling_edge_index, parent, geometry)
+        _check_attr_names(attrs)
         # Optional fields are always present so that any trees can share a batch.
         if modality is None:
             modality = torch.zeros(m, dtype=torch.long, device=device)
@@ -645,6 +646,31 @@ class _StructureCache:
 def _no_cache() -> None:
     """What a pickled structure cache loads as: nothing (the tree rebuilds it)."""
     return None
+
+
+_RESERVED: Optional[frozenset] = None
+
+
+def _check_attr_names(attrs: Dict[str, Any]) -> None:
+    """Refuse extra attribute names that would shadow or break the tree: methods and
+    read-only properties of ``NestedSignal`` and ``Batch`` (``parent``, ``structure``,
+    ``to``...), the stored core fields, PyG's batch vectors, and private names."""
+    global _RESERVED
+    if _RESERVED is None:
+        import inspect
+        names = set(dir(NestedSignal)) | set(dir(Batch))
+        settable = {n for n in names
+                    if isinstance(inspect.getattr_static(NestedSignal, n, None), property)
+                    and inspect.getattr_static(NestedSignal, n).fset is not None}
+        _RESERVED = frozenset((names - settable) | _CORE_ATTRS | {"batch", "ptr", "parent"})
+    for name in attrs:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"attribute name {name!r:.60} is not a public identifier; extra "
+                             "attributes need names like 'tokens' or 'span'")
+        if name in _RESERVED:
+            raise ValueError(f"attribute name {name!r} is reserved (a field, method or "
+                             "property of NestedSignal or of a PyG Batch): storing it would "
+                             "break the tree; rename it")
 
 
 def _tree_problem(tree: NestedSignal) -> str:
