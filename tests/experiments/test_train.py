@@ -36,8 +36,9 @@ def _embedding_table() -> torch.Tensor:
 def sentence_trees(n: int, dtype: torch.dtype = torch.float64):
     """The first ``n`` real Pang & Lee sentences, alternating labels, as text trees
     with MiniLM input embeddings and a label ``y``."""
+    from network_data import pang_lee_sentences as load_pang_lee_sentences
+
     from hsa_graph.builders.text import load_minilm_tokenizer
-    from hsa_graph.datasets.pang_lee import load_pang_lee_sentences
 
     sentences = load_pang_lee_sentences()
     pos = [text for text, label in sentences if label == 1]
