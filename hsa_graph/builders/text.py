@@ -672,8 +672,8 @@ def _options(tokenizer: Any, embed: Any, embed_input: str, modality: Any) -> Any
         raise TypeError(f"embed must be callable, got {type(embed).__name__}")
     if embed_input not in ("ids", "tokens"):
         raise ValueError(f"embed_input must be 'ids' or 'tokens', got {embed_input!r}")
-    if not isinstance(modality, int) or isinstance(modality, bool) or modality < 0:
-        raise ValueError(f"modality must be a non-negative int, got {modality!r}")
+    if not isinstance(modality, int) or isinstance(modality, bool) or not 0 <= modality < 2 ** 63:
+        raise ValueError(f"modality must be a non-negative int (int64), got {modality!r:.40}")
     return WordTokenizer() if tokenizer is None else tokenizer
 
 
