@@ -136,41 +136,41 @@ def load(path: PathLike, map_location: Union[str, torch.device] = "cpu"
         # (AssertionError, RuntimeError, NotImplementedError, UnpicklingError...)
         text = str(error).strip()
         first = text.splitlines()[0] if text else ""
-        raise ValueError(f"{os.fspath(path)!r} is not a readable hsa_graph.io file (truncated, "
+        raise ValueError(f"{_name(path)} is not a readable hsa_graph.io file (truncated, "
                          f"corrupted, or it needs code to load): {type(error).__name__}: "
                          f"{first[:200]}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} was not written by hsa_graph.io.save")
+        raise ValueError(f"{_name(path)} was not written by hsa_graph.io.save")
     if payload.get("version") != VERSION:
-        raise ValueError(f"{os.fspath(path)!r} has format version "
+        raise ValueError(f"{_name(path)} has format version "
                          f"{_short(payload.get('version'))}; this hsa_graph reads version "
                          f"{VERSION}")
     kind, content = payload.get("kind"), payload.get("content")
     if not isinstance(kind, str) or kind not in _KINDS:
-        raise ValueError(f"{os.fspath(path)!r} holds an unknown kind {_short(kind)}")
+        raise ValueError(f"{_name(path)} holds an unknown kind {_short(kind)}")
     try:
         digest = _digest(kind, content)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{os.fspath(path)!r} holds malformed content: {error}") from None
+        raise ValueError(f"{_name(path)} holds malformed content: {error}") from None
     if payload.get("sha256") != digest:
-        raise ValueError(f"{os.fspath(path)!r} was modified after it was saved (its SHA-256 "
+        raise ValueError(f"{_name(path)} was modified after it was saved (its SHA-256 "
                          "digest does not match its content)")
     if kind == "state_dict":
         if not isinstance(content, dict) or not all(isinstance(k, str) for k in content):
-            raise ValueError(f"{os.fspath(path)!r}: a state_dict must be a dict with str keys")
+            raise ValueError(f"{_name(path)}: a state_dict must be a dict with str keys")
         return content
     if kind == "tree":
         return _tree_from(content, "the tree")
     if not isinstance(content, list) or not content:
-        raise ValueError(f"{os.fspath(path)!r}: a batch must hold a non-empty list of trees")
+        raise ValueError(f"{_name(path)}: a batch must hold a non-empty list of trees")
     trees = [_tree_from(c, f"tree {i}") for i, c in enumerate(content)]
     try:  # collate names the two trees that cannot share a batch
         return collate(trees)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"{os.fspath(path)!r}: the saved trees do not form a batch: "
+        raise ValueError(f"{_name(path)}: the saved trees do not form a batch: "
                          f"{error}") from None
     except Exception as error:  # noqa: BLE001 - PyG's collate on forged content
-        raise ValueError(f"{os.fspath(path)!r}: the saved trees do not form a batch: "
+        raise ValueError(f"{_name(path)}: the saved trees do not form a batch: "
                          f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
