@@ -516,8 +516,8 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
     if len(history) != epoch:
         raise bad(f"'history' has {len(history)} entries for epoch {epoch}")
     for i, entry in enumerate(history):
-        if not isinstance(entry, dict) or entry.get("epoch") != i + 1 or isinstance(
-                entry.get("epoch"), bool):
+        if not isinstance(entry, dict) or type(entry.get("epoch")) is not int or \
+                entry["epoch"] != i + 1:
             raise bad(f"'history' entry {i} is not the record of epoch {i + 1}")
         for name, value in entry.items():
             if not isinstance(name, str) or not isinstance(value, (int, float)) or \
@@ -532,6 +532,8 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
     for name, value in state["best"].items():
         if not isinstance(name, str) or not isinstance(value, (int, float)):
             raise bad(f"'best' has {name!r:.40} = {value!r:.40}; it maps names to numbers")
+    if not state["rng"]:
+        raise bad("'rng' is empty; fit saves one random state per process")
     reference = torch.get_rng_state()
     for r, rng in enumerate(state["rng"]):
         if not isinstance(rng, dict) or "torch" not in rng or "python" not in rng:
@@ -543,7 +545,7 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
                       f"{list(reference.shape)} uint8 tensor")
         try:
             random.Random().setstate(_python_rng(rng["python"]))
-        except (TypeError, ValueError, OverflowError) as error:
+        except Exception as error:  # noqa: BLE001 - setstate raises many kinds on junk
             raise bad(f"'rng' entry {r} has a Python random state that random.setstate "
                       f"refuses: {error}") from None
         cuda_state = rng.get("cuda")

@@ -593,7 +593,13 @@ def run_hostile_file(case) -> None:
         if payload.get("sha256") is None:
             payload["sha256"] = "0"
         buffer = bytes_io.BytesIO()
-        torch.save(payload, buffer)
+        import sys
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)  # pickling the forged deep header recurses
+        try:
+            torch.save(payload, buffer)
+        finally:
+            sys.setrecursionlimit(limit)
         blob = buffer.getvalue()
     try:
         back = hsa_graph.io.load(bytes_io.BytesIO(blob))
