@@ -522,7 +522,7 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
         for name, value in entry.items():
             if not isinstance(name, str) or not isinstance(value, (int, float)) or \
                     isinstance(value, bool):
-                raise bad(f"'history' entry {i} has {name!r:.40} = {value!r:.40}; entries "
+                raise bad(f"'history' entry {i} has {_short(name)} = {_short(value)}; entries "
                           "map names to numbers")
     if not 1 <= state["best_epoch"] <= epoch:
         raise bad(f"'best_epoch' is {state['best_epoch']}, outside [1, {epoch}]")
@@ -531,7 +531,7 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
             raise bad(f"{key!r} must map parameter names to tensors")
     for name, value in state["best"].items():
         if not isinstance(name, str) or not isinstance(value, (int, float)):
-            raise bad(f"'best' has {name!r:.40} = {value!r:.40}; it maps names to numbers")
+            raise bad(f"'best' has {_short(name)} = {_short(value)}; it maps names to numbers")
     if not state["rng"]:
         raise bad("'rng' is empty; fit saves one random state per process")
     reference = torch.get_rng_state()
@@ -552,6 +552,14 @@ def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) 
         if cuda_state is not None and (not isinstance(cuda_state, Tensor)
                                        or cuda_state.dtype != torch.uint8):
             raise bad(f"'rng' entry {r} has a CUDA random state that is not a uint8 tensor")
+
+
+def _short(value: Any) -> str:
+    """A bounded description (no recursive repr: a deeply nested forged value would
+    raise RecursionError while the message is built)."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return repr(value)[:40]
+    return f"<a {type(value).__name__}>"
 
 
 def _python_rng(state: Any) -> Any:
