@@ -123,11 +123,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--case-base-s", type=float, default=5.0,
                         help="time budget of a case of size 0")
-    parser.add_argument("--case-per-unit-us", type=float, default=100.0,
+    parser.add_argument("--case-per-unit-us", type=float, default=20.0,
                         help="extra time budget per unit of case size (microseconds)")
-    parser.add_argument("--rss-base-mb", type=float, default=256.0,
+    parser.add_argument("--rss-base-mb", type=float, default=128.0,
                         help="peak-RSS growth allowed for a case of size 0")
-    parser.add_argument("--rss-per-unit-kb", type=float, default=4.0,
+    parser.add_argument("--rss-per-unit-kb", type=float, default=1.0,
                         help="extra peak-RSS growth allowed per unit of case size")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz.json"))
     args = parser.parse_args()

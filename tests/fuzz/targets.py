@@ -479,7 +479,7 @@ def normalising_tokenizers():
              "upper": lambda s: [w.upper() for w in s.split()]}
     words = st.text(ALPHABET.replace("\n", ""), min_size=1, max_size=8)
     return st.tuples(st.sampled_from(sorted(kinds)),
-                     st.one_of(st.lists(words, max_size=40), st.integers(1, 30_000)
+                     st.one_of(st.lists(words, max_size=40), st.integers(1, 60_000)
                                .map(lambda n: [f"Wörd{i % 97}" for i in range(n)]))
                      ).map(lambda c: (c[0], kinds[c[0]], " ".join(c[1])))
 
