@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import zipfile
 from typing import Any, Dict, List, Mapping, Union
 
@@ -49,7 +48,7 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Batch
 
-from .signal import NestedSignal
+from .signal import NestedSignal, collate
 
 __all__ = ["load", "save"]
 
@@ -119,43 +118,102 @@ def load(path: PathLike, map_location: Union[str, torch.device] = "cpu"
     Raises:
         ValueError: the file is missing pieces, truncated, corrupted or tampered with
             (its digest does not match), not written by :func:`save`, of an unknown
-            version, holds objects that need code to load, or holds a tree that is
-            not valid (naming the tree and the problem).
+            version, holds objects that need code to load, holds tensors that
+            :func:`save` never writes (sparse, meta, nested or quantized ones, or views
+            declaring more elements than their storage holds), or holds a tree or a
+            batch that is not valid (naming the tree and the problem).
+
+    Loading costs memory and time linear in the file's size: the archive's entries are
+    checked to be stored uncompressed (as :func:`torch.save` writes them) before
+    anything is read, and no tensor is expanded before its size is checked.
     """
+    _check_archive(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError,
-            ValueError, KeyError, AttributeError, TypeError, IndexError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(f"{os.fspath(path)!r} is not a readable hsa_graph.io file (truncated, "
+    except Exception as error:  # noqa: BLE001 - torch raises many kinds on bad bytes
+        # (AssertionError, RuntimeError, NotImplementedError, UnpicklingError...)
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else ""
+        raise ValueError(f"{_name(path)} is not a readable hsa_graph.io file (truncated, "
                          f"corrupted, or it needs code to load): {type(error).__name__}: "
                          f"{first[:200]}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} was not written by hsa_graph.io.save")
+        raise ValueError(f"{_name(path)} was not written by hsa_graph.io.save")
     if payload.get("version") != VERSION:
-        raise ValueError(f"{os.fspath(path)!r} has format version {payload.get('version')!r}; "
-                         f"this hsa_graph reads version {VERSION}")
+        raise ValueError(f"{_name(path)} has format version "
+                         f"{_short(payload.get('version'))}; this hsa_graph reads version "
+                         f"{VERSION}")
     kind, content = payload.get("kind"), payload.get("content")
-    if kind not in _KINDS:
-        raise ValueError(f"{os.fspath(path)!r} holds an unknown kind {kind!r}")
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ValueError(f"{_name(path)} holds an unknown kind {_short(kind)}")
     try:
         digest = _digest(kind, content)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{os.fspath(path)!r} holds malformed content: {error}") from None
+        raise ValueError(f"{_name(path)} holds malformed content: {error}") from None
     if payload.get("sha256") != digest:
-        raise ValueError(f"{os.fspath(path)!r} was modified after it was saved (its SHA-256 "
+        raise ValueError(f"{_name(path)} was modified after it was saved (its SHA-256 "
                          "digest does not match its content)")
     if kind == "state_dict":
         if not isinstance(content, dict) or not all(isinstance(k, str) for k in content):
-            raise ValueError(f"{os.fspath(path)!r}: a state_dict must be a dict with str keys")
+            raise ValueError(f"{_name(path)}: a state_dict must be a dict with str keys")
         return content
     if kind == "tree":
         return _tree_from(content, "the tree")
     if not isinstance(content, list) or not content:
-        raise ValueError(f"{os.fspath(path)!r}: a batch must hold a non-empty list of trees")
-    return Batch.from_data_list([_tree_from(c, f"tree {i}") for i, c in enumerate(content)])
+        raise ValueError(f"{_name(path)}: a batch must hold a non-empty list of trees")
+    trees = [_tree_from(c, f"tree {i}") for i, c in enumerate(content)]
+    try:  # collate names the two trees that cannot share a batch
+        return collate(trees)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{_name(path)}: the saved trees do not form a batch: "
+                         f"{error}") from None
+    except Exception as error:  # noqa: BLE001 - PyG's collate on forged content
+        raise ValueError(f"{_name(path)}: the saved trees do not form a batch: "
+                         f"{type(error).__name__}: {str(error)[:200]}") from None
+
+
+def _short(value: Any) -> str:
+    """A bounded description of a header value (never a recursive ``repr``: a deeply
+    nested forged value would raise RecursionError)."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return repr(value)[:80]
+    return f"<a {type(value).__name__}>"
+
+
+def _check_archive(path: PathLike) -> None:
+    """Refuse archives whose entries are compressed: :func:`torch.save` stores them
+    uncompressed, so a compressed entry (a possible zip bomb) was not written by it."""
+    start = path.tell() if hasattr(path, "tell") else None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or \
+                        info.file_size != info.compress_size:
+                    raise ValueError(f"{_name(path)} has the compressed entry "
+                                     f"{info.filename[:80]!r}; hsa_graph.io.save never "
+                                     "writes one, so the file was made by something else")
+    except FileNotFoundError:
+        raise
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - zipfile raises many kinds on bad bytes
+        if isinstance(error, IsADirectoryError):
+            raise ValueError(f"{_name(path)} is a directory, not a file") from None
+        raise ValueError(f"{_name(path)} is not a readable hsa_graph.io file (not a "
+                         f"complete zip archive: {type(error).__name__}: "
+                         f"{str(error)[:200]})") from None
+    finally:
+        if start is not None:  # a file object: torch.load reads it from the start again
+            path.seek(start)
+
+
+def _name(path: Any) -> str:
+    try:
+        return repr(os.fspath(path))
+    except TypeError:  # a file object
+        return f"the {type(path).__name__}"
 
 
 # ------------------------------------------------------------------ writing
@@ -205,11 +263,18 @@ def _digest(kind: str, content: Any) -> str:
     """SHA-256 over a canonical walk of the content (iterative: no recursion limit)."""
     h = hashlib.sha256(f"{FORMAT}/{VERSION}/{kind}".encode())
     stack: List[Any] = [content]
+    storages: set = set()  # save gives every tensor its own storage
     while stack:
         value = stack.pop()
         if isinstance(value, _Key):
             h.update(b"K" + json.dumps(value.name).encode())
         elif isinstance(value, Tensor):
+            _check_tensor(value)
+            storage = value.untyped_storage()
+            if storage.nbytes():
+                if storage.data_ptr() in storages:
+                    raise TypeError("two tensors share one storage, which save never writes")
+                storages.add(storage.data_ptr())
             t = value.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -228,6 +293,29 @@ def _digest(kind: str, content: Any) -> str:
         else:
             raise TypeError(f"unexpected {type(value).__name__} in the content")
     return h.hexdigest()
+
+
+def _check_tensor(t: Tensor) -> None:
+    """Refuse, before touching its data, a tensor that :func:`save` never writes: one
+    that is not a dense array, or a view that declares more elements than its storage
+    holds (an expanded 2**40-element view of one number would need terabytes as soon
+    as it is made contiguous)."""
+    described = f"a {str(t.dtype).replace('torch.', '')} tensor"
+    if t.is_nested:
+        raise TypeError(f"{described} is a nested tensor; only dense tensors are stored")
+    if t.layout != torch.strided:
+        raise TypeError(f"{described} has layout {t.layout}; only dense (strided) tensors "
+                        "are stored")
+    if t.is_meta or t.is_quantized or t.device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise TypeError(f"{described} on device {t.device} "
+                        f"{'(quantized) ' if t.is_quantized else ''}holds no plain data; only "
+                        "dense tensors with data are stored")
+    need = t.numel() * t.element_size()
+    have = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    if need > have or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise TypeError(f"{described} of shape {tuple(t.shape)} ({need} bytes) is a view over "
+                        f"a storage of {max(have, 0)} bytes (expanded or overlapping); only "
+                        "dense tensors are stored")
 
 
 # ------------------------------------------------------------------ reading

@@ -1,6 +1,8 @@
 """Nested signals: trees whose leaves carry vectors, stored as PyG graphs."""
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -8,11 +10,11 @@ import networkx as nx
 import numpy as np
 import torch
 from torch import Tensor
-from torch_geometric.data import Data
+from torch_geometric.data import Batch, Data
 
 from .structure import TreeStructure
 
-__all__ = ["GEOMETRIES", "NestedSignal", "Node", "flatten"]
+__all__ = ["GEOMETRIES", "NestedSignal", "Node", "collate", "flatten"]
 
 #: Geometries of internal nodes; ``NestedSignal.geometry`` stores their index, and
 #: ``-1`` for leaves.
@@ -24,9 +26,52 @@ _CODE = {name: code for code, name in enumerate(GEOMETRIES)}
 def _geometry_code(value: Any, where: str) -> int:
     if isinstance(value, str) and value in _CODE:
         return _CODE[value]
-    if isinstance(value, (int, np.integer)) and -1 <= int(value) < len(GEOMETRIES):
+    if (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+            and -1 <= int(value) < len(GEOMETRIES)):
         return int(value)
-    raise ValueError(f"unknown geometry {value!r} at {where}; expected one of {GEOMETRIES}")
+    raise ValueError(f"unknown geometry {value!r:.60} at {where}; expected one of {GEOMETRIES} "
+                     "or its index")
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is no position or tag)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _int_arg(value: Any, what: str) -> int:
+    """``value`` as an int; floats (even integral or infinite ones) are refused rather
+    than truncated."""
+    if not _is_int(value):
+        raise TypeError(f"{what} must be an int, got the {type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
+def _modality_arg(value: Any, what: str) -> int:
+    """A modality tag: a non-negative int (it indexes per-modality weights)."""
+    tag = _int_arg(value, what)
+    if not 0 <= tag < 2 ** 63:
+        raise ValueError(f"{what} must be a non-negative int64, got {tag}")
+    return tag
+
+
+def _edge_pairs(edges: Any, what: str) -> List[tuple]:
+    """``edges`` as a list of ``(i, j)`` int pairs (each named by its index on error)."""
+    if isinstance(edges, (Tensor, np.ndarray)):
+        edges = edges.tolist()
+    if isinstance(edges, (str, bytes)) or not isinstance(edges, Iterable):
+        raise TypeError(f"{what} must be a list of (i, j) pairs, got the "
+                        f"{type(edges).__name__} {edges!r:.40}")
+    pairs = []
+    for e, edge in enumerate(edges):
+        try:
+            pair = tuple(edge)
+        except TypeError:
+            pair = None
+        if pair is None or len(pair) != 2 or not all(_is_int(v) for v in pair):
+            raise ValueError(f"{what}: edge {e} is {edge!r:.40}; each edge is a pair (i, j) "
+                             "of ints")
+        pairs.append((int(pair[0]), int(pair[1])))
+    return pairs
 
 
 class NestedSignal(Data):
@@ -60,9 +105,10 @@ class NestedSignal(Data):
     trailing shape (token ids ``[N]`` and vectors ``[N, F]`` do not mix; torch then
     reports "Tensors must have same number of dimensions"), and the same builder
     extras (a ``text_tree`` with ``tokens`` and ``span`` does not batch with an
-    ``image_tree``: PyG raises ``KeyError: 'tokens'``). Compose such trees with
-    :meth:`join` or :func:`~hsa_graph.builders.document_tree` instead, or delete
-    the extras first.
+    ``image_tree``: PyG raises ``KeyError: 'tokens'``). :func:`collate` (usable as
+    a ``DataLoader``'s ``collate_fn``) checks this first and names the two trees and
+    the attribute. Compose such trees with :meth:`join` or
+    :func:`~hsa_graph.builders.document_tree` instead, or delete the extras first.
 
     Example:
         >>> tree = NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2], x=torch.randn(5, 4))
@@ -101,21 +147,61 @@ class NestedSignal(Data):
 
     def structure_for(self, device: Union[torch.device, str]) -> TreeStructure:
         """The cached :class:`TreeStructure` on ``device`` (built once per tree and
-        device; rebuilt only if ``edge_index`` is replaced or modified in place)."""
+        device).
+
+        The cache belongs to the ``edge_index`` tensor it was built from (a weak
+        reference to that very object, its storage and PyTorch's version counter) and
+        to ``num_nodes``: assigning another ``edge_index`` (even one that reuses the
+        freed memory of the old one), editing it in place with tensor operations or
+        changing ``num_nodes`` rebuilds it; the check is O(1) per call. Writes that
+        bypass the version counter (through ``.numpy()`` or ``.data``) cannot be seen:
+        call :meth:`validate` (or :meth:`clear_structure`) after those.
+        """
         device = torch.device(device)
         edge_index = self.edge_index
-        signature = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
-                     self.num_nodes)
         cache = self.__dict__.get("_structure_cache")
-        if cache is None or cache[0] != signature:
-            cache = (signature, {})
+        if not isinstance(cache, _StructureCache) or not cache.matches(edge_index,
+                                                                       self.num_nodes):
+            cache = _StructureCache(edge_index, self.num_nodes)
             self.__dict__["_structure_cache"] = cache
-        by_device = cache[1]
+        by_device = cache.by_device
         if device not in by_device:
             base = next(iter(by_device.values()), None)
             by_device[device] = (base.to(device) if base is not None
                                  else TreeStructure.from_parent(self.parent.to(device)))
         return by_device[device]
+
+    def clear_structure(self) -> None:
+        """Drop the cached :class:`TreeStructure` (the next use rebuilds it)."""
+        self.__dict__.pop("_structure_cache", None)
+
+    def validate(self, raise_on_error: bool = True) -> bool:
+        """Check the tree as PyG's ``Data.validate`` does, and also as a nested signal:
+        ``edge_index`` gives each node at most one parent and forms a forest with
+        ``num_nodes`` nodes, the geometries mark exactly the childless nodes as leaves,
+        ``x`` has one row per leaf and the per-node fields have one entry per node.
+
+        It also drops the cached :attr:`structure`, so that an edit the cheap cache
+        check cannot see (a write through ``.numpy()``) is picked up afterwards.
+
+        Args:
+            raise_on_error: raise instead of warning and returning ``False``.
+
+        Returns:
+            Whether the tree is valid.
+
+        Raises:
+            ValueError: the first problem found, when ``raise_on_error``.
+        """
+        status = super().validate(raise_on_error)
+        self.clear_structure()
+        problem = _tree_problem(self)
+        if problem:
+            if raise_on_error:
+                raise ValueError(f"invalid {type(self).__name__}: {problem}")
+            warnings.warn(f"invalid {type(self).__name__}: {problem}", stacklevel=2)
+            return False
+        return status
 
     def geometry_names(self) -> List[Optional[str]]:
         """The geometry of every node as a string (``None`` for leaves)."""
@@ -176,7 +262,7 @@ class NestedSignal(Data):
         edge_index = torch.stack([parent[children], children])
         position = _positions(position, parent, geometry, children, m, device)
         if x is not None:
-            x = torch.as_tensor(x)
+            x = _as_features(x)
             n = int(is_leaf.sum())
             if x.dim() == 0 or x.shape[0] != n:
                 raise ValueError(
@@ -191,7 +277,8 @@ class NestedSignal(Data):
                 raise ValueError(f"node {u} has modality {int(modality[u])}; modality tags "
                                  "are non-negative ints (they index per-modality weights)")
         if key is not None:
-            if isinstance(key, (str, bytes)):  # list("title") would split it silently
+            if isinstance(key, (str, bytes)) or not isinstance(key, Iterable):
+                # list("title") would split it silently
                 raise TypeError(f"key must be a sequence of one str or None per node, "
                                 f"got the {type(key).__name__} {key!r:.40}")
             key = list(key)
@@ -212,6 +299,7 @@ class NestedSignal(Data):
                              "(key=...) were given for its children")
         if sibling_edge_index is not None:
             sibling_edge_index = _check_sibling_edges(sibling_edge_index, parent, geometry)
+        _check_attr_names(attrs)
         # Optional fields are always present so that any trees can share a batch.
         if modality is None:
             modality = torch.zeros(m, dtype=torch.long, device=device)
@@ -222,9 +310,9 @@ class NestedSignal(Data):
         data = cls(x=x, edge_index=edge_index, geometry=geometry, position=position,
                    modality=modality, key=key, sibling_edge_index=sibling_edge_index,
                    num_nodes=m, **attrs)
-        data.__dict__["_structure_cache"] = (
-            (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape), m),
-            {device: structure})
+        cache = _StructureCache(edge_index, m)
+        cache.by_device[device] = structure
+        data.__dict__["_structure_cache"] = cache
         return data
 
     @classmethod
@@ -307,7 +395,8 @@ class NestedSignal(Data):
             positions = [_position_pair(attrs[label].get(position), label) for label in labels]
         modalities = None
         if any(modality in attrs[label] for label in labels):
-            modalities = [int(attrs[label].get(modality, 0)) for label in labels]
+            modalities = [_modality_arg(attrs[label].get(modality, 0),
+                                        f"node {label!r}: modality") for label in labels]
         keys = None
         if any(key in attrs[label] for label in labels):
             keys = [attrs[label].get(key) for label in labels]
@@ -321,11 +410,18 @@ class NestedSignal(Data):
             features = _stack_leaves(leaf_x, leaf_labels)
         sibling_edge_index = None
         if graph.graph.get("sibling_edges"):
-            unknown = [e for e in graph.graph["sibling_edges"]
-                       if e[0] not in index or e[1] not in index]
+            given = graph.graph["sibling_edges"]
+            if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+                raise TypeError("the graph attribute 'sibling_edges' must be a list of "
+                                f"(label, label) pairs, got the {type(given).__name__}")
+            for e, edge in enumerate(given):
+                if not isinstance(edge, (tuple, list)) or len(edge) != 2:
+                    raise ValueError(f"sibling edge {e} is {edge!r:.40}; each sibling edge is "
+                                     "a pair of node labels")
+            unknown = [e for e in given if e[0] not in index or e[1] not in index]
             if unknown:
                 raise ValueError(f"sibling edge {unknown[0]!r} names a node not in the graph")
-            pairs = [(index[a], index[b]) for a, b in graph.graph["sibling_edges"]]
+            pairs = [(index[a], index[b]) for a, b in given]
             sibling_edge_index = torch.tensor(pairs, dtype=torch.long).t()
         return cls.from_parents(parent, features, geometry=geometries, position=positions,
                                 modality=modalities, key=keys,
@@ -419,6 +515,9 @@ class NestedSignal(Data):
             >>> doc.tokens, doc.span[:2].tolist()   # spans stay offsets into each text
             (['A', 'b', '.', 'C', '.'], [[-1, -1], [0, 4]])
         """
+        if isinstance(children, NestedSignal) or not isinstance(children, Iterable):
+            raise TypeError(f"join takes a sequence of NestedSignal trees, got the "
+                            f"{type(children).__name__}")
         children = list(children)
         if not children:
             raise ValueError("join needs at least one child tree")
@@ -428,11 +527,41 @@ class NestedSignal(Data):
             if child.structure.num_trees != 1:
                 raise ValueError(f"child {i} is a forest of {child.structure.num_trees} "
                                  "trees; join takes single-rooted trees")
-        _geometry_code(geometry, "the joined root")
-        if geometry == "keyvalue" and (keys is None or len(keys) != len(children)):
+        code = _geometry_code(geometry, "the joined root")
+        if code == LEAF:
+            raise ValueError("the joined root has children, so its geometry cannot be the "
+                             "leaf code -1")
+        geometry = GEOMETRIES[code]  # an integer code names the same geometry
+        if keys is not None:
+            if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+                raise TypeError(f"keys must be a sequence of one str per child, got the "
+                                f"{type(keys).__name__} {keys!r:.40}")
+            keys = list(keys)
+            if len(keys) != len(children):
+                raise ValueError(f"keys must have one entry per child ({len(children)}), "
+                                 f"got {len(keys)}")
+            bad = [i for i, k in enumerate(keys) if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"key {bad[0]} is a {type(keys[bad[0]]).__name__} "
+                                f"({keys[bad[0]]!r:.40}); keys are str")
+        if geometry == "keyvalue" and keys is None:
             raise ValueError("a keyvalue root needs one key per child (keys=...)")
+        if positions is not None:
+            if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+                raise TypeError(f"positions must be a sequence of one position per child, "
+                                f"got the {type(positions).__name__} {positions!r:.40}")
+            positions = list(positions)
+            if len(positions) != len(children):
+                raise ValueError(f"positions must have one entry per child ({len(children)}), "
+                                 f"got {len(positions)}")
         if geometry == "grid" and positions is None:
             raise ValueError("a grid root needs (row, col) positions for its children")
+        if sibling_edges is not None:
+            sibling_edges = _edge_pairs(sibling_edges, "sibling_edges")
+            if geometry != "graph" and sibling_edges:
+                raise ValueError(f"sibling_edges were given but the joined root's geometry is "
+                                 f"{geometry!r}, not 'graph'")
+        root_tag = None if modality is None else _modality_arg(modality, "modality")
         has_x = [child.get("x") is not None for child in children]
         if any(has_x) and not all(has_x):
             raise ValueError(f"child {has_x.index(False)} has no x while others do")
@@ -462,10 +591,10 @@ class NestedSignal(Data):
             position_rows.append(rows)
             modalities.append(child.modality.cpu())
             child_keys = list(child.key)
-            child_keys[root] = None if keys is None else str(keys[i])
+            child_keys[root] = None if keys is None else keys[i]
             key_list.extend(child_keys)
             sib.append(child.sibling_edge_index.cpu() + offset)
-        root_modality = torch.tensor([0 if modality is None else int(modality)])
+        root_modality = torch.tensor([0 if root_tag is None else root_tag])
         parent = torch.cat([torch.tensor([-1])] + parents)
         code = torch.tensor([_CODE[geometry]])
         root_ids = torch.tensor(offsets) + torch.cat(
@@ -483,6 +612,197 @@ class NestedSignal(Data):
             key=[None] + key_list,
             sibling_edge_index=torch.cat(sib, 1) if sib else None,
             **_joined_extras(children))
+
+
+class _StructureCache:
+    """The structures built for one ``edge_index`` tensor, per device.
+
+    It holds the tensor weakly (the cache never keeps a replaced ``edge_index``
+    alive) and is dropped by ``copy.deepcopy`` and ``pickle`` (the copy rebuilds its
+    own), since a weak reference cannot travel."""
+
+    __slots__ = ("ref", "ptr", "version", "shape", "num_nodes", "by_device")
+
+    def __init__(self, edge_index: Tensor, num_nodes: Optional[int]):
+        self.ref = weakref.ref(edge_index)
+        self.ptr = edge_index.data_ptr()
+        self.version = edge_index._version
+        self.shape = tuple(edge_index.shape)
+        self.num_nodes = num_nodes
+        self.by_device: Dict[torch.device, TreeStructure] = {}
+
+    def matches(self, edge_index: Tensor, num_nodes: Optional[int]) -> bool:
+        return (self.ref() is edge_index and self.ptr == edge_index.data_ptr()
+                and self.version == edge_index._version
+                and self.shape == tuple(edge_index.shape) and self.num_nodes == num_nodes)
+
+    def __reduce__(self):
+        return (_no_cache, ())
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+
+def _no_cache() -> None:
+    """What a pickled structure cache loads as: nothing (the tree rebuilds it)."""
+    return None
+
+
+_RESERVED: Optional[frozenset] = None
+
+
+def _check_attr_names(attrs: Dict[str, Any]) -> None:
+    """Refuse extra attribute names that would shadow or break the tree: methods and
+    read-only properties of ``NestedSignal`` and ``Batch`` (``parent``, ``structure``,
+    ``to``...), the stored core fields, PyG's batch vectors, and private names."""
+    global _RESERVED
+    if _RESERVED is None:
+        import inspect
+        names = set(dir(NestedSignal)) | set(dir(Batch))
+        settable = {n for n in names
+                    if isinstance(inspect.getattr_static(NestedSignal, n, None), property)
+                    and inspect.getattr_static(NestedSignal, n).fset is not None}
+        _RESERVED = frozenset((names - settable) | _CORE_ATTRS | {"batch", "ptr", "parent"})
+    for name in attrs:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"attribute name {name!r:.60} is not a public identifier; extra "
+                             "attributes need names like 'tokens' or 'span'")
+        if name in _RESERVED:
+            raise ValueError(f"attribute name {name!r} is reserved (a field, method or "
+                             "property of NestedSignal or of a PyG Batch): storing it would "
+                             "break the tree; rename it")
+
+
+def _tree_problem(tree: NestedSignal) -> str:
+    """What makes ``tree`` not a valid nested signal ('' when nothing does)."""
+    m = tree.num_nodes
+    edge_index = tree.get("edge_index")
+    if not isinstance(edge_index, Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        return "edge_index must be a [2, E] tensor of parent -> child edges"
+    if edge_index.is_floating_point() or edge_index.is_complex() or \
+            edge_index.dtype == torch.bool:
+        return f"edge_index must hold integers, got dtype {edge_index.dtype}"
+    if edge_index.numel() and bool(((edge_index < 0) | (edge_index >= m)).any()):
+        return f"edge_index has nodes outside [0, {m - 1}]"
+    edge_index = edge_index.long()
+    children = edge_index[1]
+    if children.numel():
+        seen = torch.bincount(children, minlength=m)
+        if int(seen.max()) > 1:
+            u = int((seen > 1).nonzero()[0])
+            return f"node {u} has {int(seen[u])} parents in edge_index"
+    try:
+        TreeStructure.from_parent(tree.parent)  # ranges and cycles, naming the node
+    except ValueError as error:
+        return str(error)
+    for name, shape in (("geometry", (m,)), ("modality", (m,)), ("position", (m, 2))):
+        value = tree.get(name)
+        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            return f"{name} must have shape {list(shape)}, got {got}"
+    has_child = torch.zeros(m, dtype=torch.bool, device=edge_index.device)
+    has_child[edge_index[0]] = True
+    wrong = has_child == (tree.geometry == LEAF)
+    if bool(wrong.any()):
+        u = int(wrong.nonzero()[0])
+        return (f"node {u} {'has children' if bool(has_child[u]) else 'is a leaf'} but its "
+                f"geometry code is {int(tree.geometry[u])}")
+    x = tree.get("x")
+    n = int((~has_child).sum())
+    if x is not None and (not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != n):
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        return f"x must have one row per leaf ({n}), got {got}"
+    key = tree.get("key")
+    if key and isinstance(key[0], (list, tuple)):  # a Batch: one list per tree
+        key = [k for per_tree in key for k in per_tree]
+    if key is not None and len(key) != m:
+        return f"key must have one entry per node ({m}), got {len(key)}"
+    return ""
+
+
+def collate(trees: Sequence[NestedSignal]) -> Batch:
+    """Batch nested signals like ``Batch.from_data_list``, after checking that they
+    can share a batch; use it as a ``DataLoader``'s ``collate_fn``.
+
+    PyG's collate needs every tree to carry the same attributes, with tensors of the
+    same rank and trailing shape; otherwise torch reports a bare "Tensors must have
+    same number of dimensions" or a ``KeyError``. Here the first mismatch is named
+    instead, with the two trees. Token-id trees (``text_tree``: ``x`` ``[N]``) and
+    vector trees (``image_tree``: ``x`` ``[N, F]``) do not mix: embed the text to the
+    image's width (``text_tree(..., embed=...)``) and drop the extras the other tree
+    lacks, or compose the trees into one with :meth:`NestedSignal.join` or
+    :func:`~hsa_graph.builders.document_tree`.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> trees = [NestedSignal.from_nested([[1, 2], [3]]), NestedSignal.from_nested([4, 5])]
+        >>> next(iter(DataLoader(trees, batch_size=2, collate_fn=collate))).num_graphs
+        2
+
+    Args:
+        trees: the trees (at least one).
+
+    Returns:
+        The :class:`~torch_geometric.data.Batch`.
+
+    Raises:
+        TypeError: an item is not a :class:`NestedSignal`.
+        ValueError: the list is empty, or two trees cannot share a batch (naming both,
+            the attribute and how they differ).
+    """
+    if isinstance(trees, NestedSignal) or not isinstance(trees, Iterable):
+        raise TypeError(f"collate takes a sequence of NestedSignal trees, got the "
+                        f"{type(trees).__name__}")
+    trees = list(trees)
+    if not trees:
+        raise ValueError("collate needs at least one tree")
+    for i, tree in enumerate(trees):
+        if not isinstance(tree, NestedSignal) or isinstance(tree, Batch):
+            raise TypeError(f"item {i} is a {type(tree).__name__}, not a NestedSignal tree")
+    first = trees[0]
+    names = set(first.keys())
+    for i, tree in enumerate(trees[1:], 1):
+        other = set(tree.keys())
+        if other != names:
+            side = (f"tree 0 has {sorted(names - other)}, which tree {i} lacks"
+                    if names - other else f"tree {i} has {sorted(other - names)}, which "
+                    "tree 0 lacks")
+            raise ValueError(f"trees 0 and {i} cannot share a batch: {side} (PyG batches "
+                             "only trees with the same attributes: delete the extras, or "
+                             "join the trees into one)")
+        for name in sorted(names):
+            problem = _batch_mismatch(first, name, first[name], tree[name])
+            if problem:
+                hint = (" (token ids [N] and feature vectors [N, F] do not mix: embed the "
+                        "text to the other tree's width, or join the trees into one)"
+                        if name == "x" else "")
+                raise ValueError(f"trees 0 and {i} cannot share a batch: {name!r} is "
+                                 f"{_describe(first[name])} in tree 0 and "
+                                 f"{_describe(tree[name])} in tree {i}{hint}")
+    return Batch.from_data_list(trees)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {list(value.shape)} {str(value.dtype).replace('torch.', '')} tensor"
+    return f"a {type(value).__name__}"
+
+
+def _batch_mismatch(first: NestedSignal, name: str, a: Any, b: Any) -> bool:
+    """Whether PyG cannot concatenate ``a`` and ``b`` (attribute ``name``)."""
+    if isinstance(a, Tensor) != isinstance(b, Tensor):
+        return True
+    if not isinstance(a, Tensor):
+        return False
+    if name == "x" and a.is_floating_point() != b.is_floating_point():
+        return True  # torch would silently promote token ids to floats
+    cat = first.__cat_dim__(name, a)
+    if cat is None:
+        return a.shape != b.shape
+    if a.dim() != b.dim():
+        return True
+    cat = cat % max(a.dim(), 1)
+    return any(a.shape[d] != b.shape[d] for d in range(a.dim()) if d != cat)
 
 
 #: Attributes every NestedSignal has; :meth:`NestedSignal.join` rebuilds these itself.
@@ -545,18 +865,31 @@ class Node:
 
 
 class _NestedBuilder:
-    """Walks nested Python data iteratively (no recursion limit)."""
+    """Walks nested Python data iteratively (no recursion limit).
+
+    Memory is linear in the number of nodes whatever the depth: each node stores only
+    its own step below its parent (``[2]``, ``[0][1]``, ``.name``), and the full path
+    (``root[0].title[2]``) is rebuilt by walking up only when an error names it."""
 
     def __init__(self, modality: Optional[int]):
         self.parent: List[int] = []
+        self.step: List[str] = []
         self.geometry: List[Optional[str]] = []
         self.position: List[tuple] = []
         self.key: List[Optional[str]] = []
         self.modality: List[int] = []
         self.leaves: List[Any] = []
-        self.leaf_paths: List[str] = []
+        self.leaf_nodes: List[int] = []
         self.sibling_edges: List[tuple] = []
-        self.root_modality = modality
+        self.root_modality = None if modality is None else _modality_arg(modality, "modality")
+
+    def path(self, u: int) -> str:
+        """The path of node ``u`` from the root, e.g. ``root[0].title``."""
+        steps = []
+        while u >= 0:
+            steps.append(self.step[u])
+            u = self.parent[u]
+        return "".join(reversed(steps))
 
     def walk(self, data: Any) -> None:
         stack: List[Any] = [(data, -1, (-1, -1), None, self.root_modality, "root")]
@@ -568,67 +901,88 @@ class _NestedBuilder:
             if len(entry) == 1:  # the end of a container's subtree
                 open_ids.discard(entry[0])
                 continue
-            item, parent, pos, key, modality, path = entry
-            if isinstance(item, (list, tuple, dict, Node)):
-                if id(item) in open_ids:
-                    raise ValueError(f"cycle at {path}: this {type(item).__name__} contains "
-                                     "itself, so the data is not a tree")
-                open_ids.add(id(item))
-                stack.append((id(item),))
+            item, parent, pos, key, modality, step = entry
             u = len(self.parent)
             self.parent.append(parent)
+            self.step.append(step)
             self.position.append(pos)
             self.key.append(key)
-            geometry, modality, children = self._expand(item, modality, path, u)
+            if isinstance(item, (list, tuple, dict, Node)):
+                if id(item) in open_ids:
+                    raise ValueError(f"cycle at {self.path(u)}: this {type(item).__name__} "
+                                     "contains itself, so the data is not a tree")
+                open_ids.add(id(item))
+                stack.append((id(item),))
+            geometry, modality, children = self._expand(item, modality, u)
             self.modality.append(-1 if modality is None else modality)
             self.geometry.append(geometry)
             if geometry is None:
                 self.leaves.append(item)
-                self.leaf_paths.append(path)
+                self.leaf_nodes.append(u)
             # push in reverse so that children get increasing node indices in order
-            for child, child_pos, child_key, child_path in reversed(children):
-                stack.append((child, u, child_pos, child_key, modality, child_path))
+            for child, child_pos, child_key, child_step in reversed(children):
+                stack.append((child, u, child_pos, child_key, modality, child_step))
 
-    def _expand(self, item: Any, modality: Optional[int], path: str, u: int):
+    def _items(self, children: Any, what: str, u: int) -> list:
+        if isinstance(children, (str, bytes)) or not isinstance(children, Iterable):
+            raise TypeError(f"{what} at {self.path(u)} must be a list, got the "
+                            f"{type(children).__name__} {children!r:.40}")
+        return list(children)
+
+    def _expand(self, item: Any, modality: Optional[int], u: int):
         if isinstance(item, Node):
-            modality = item.modality if item.modality is not None else modality
+            if item.modality is not None:
+                modality = _modality_arg(item.modality, f"the Node modality at {self.path(u)}")
             geometry = item.geometry
-            if geometry not in _CODE:
-                raise ValueError(f"unknown geometry {geometry!r} at {path}")
+            if not isinstance(geometry, str) or geometry not in _CODE:
+                raise ValueError(f"unknown geometry {geometry!r:.40} at {self.path(u)}; a Node "
+                                 f"takes one of {GEOMETRIES} by name")
+            edges = item.edges
+            if geometry != "graph" and edges is not None and (
+                    isinstance(edges, (str, bytes, Tensor, np.ndarray))
+                    or not isinstance(edges, Iterable) or len(list(edges))):
+                raise ValueError(f"edges were given for the {geometry!r} Node at "
+                                 f"{self.path(u)}; only 'graph' nodes have sibling edges")
             if geometry == "grid":
-                rows = list(item.children)
-                children = [(c, (r, col), None, f"{path}[{r}][{col}]")
-                            for r, row in enumerate(rows) for col, c in enumerate(row)]
+                rows = self._items(item.children, "the rows of a grid Node", u)
+                children = [(c, (r, col), None, f"[{r}][{col}]")
+                            for r, row in enumerate(rows)
+                            for col, c in enumerate(self._items(row, f"row {r}", u))]
             elif geometry == "keyvalue":
                 if not isinstance(item.children, dict):
-                    raise ValueError(f"a keyvalue Node needs a dict at {path}")
-                children = [(c, (i, 0), str(name), f"{path}.{name}")
+                    raise ValueError(f"a keyvalue Node needs a dict at {self.path(u)}")
+                children = [(c, (i, 0), str(name), f".{name}")
                             for i, (name, c) in enumerate(item.children.items())]
             else:
-                children = [(c, (i, 0), None, f"{path}[{i}]")
-                            for i, c in enumerate(item.children)]
+                children = [(c, (i, 0), None, f"[{i}]")
+                            for i, c in enumerate(self._items(item.children, "the children "
+                                                              "of a Node", u))]
                 if geometry == "graph":  # child indices become node ids in build()
-                    self.sibling_edges.extend((u, i, j) for i, j in item.edges)
+                    pairs = _edge_pairs(edges, f"the graph Node at {self.path(u)}")
+                    self.sibling_edges.extend((u, i, j) for i, j in pairs)
         elif isinstance(item, dict):
             geometry = "keyvalue"
-            children = [(c, (i, 0), str(name), f"{path}.{name}")
+            children = [(c, (i, 0), str(name), f".{name}")
                         for i, (name, c) in enumerate(item.items())]
         elif isinstance(item, (list, tuple)):
             geometry = "sequence"
-            children = [(c, (i, 0), None, f"{path}[{i}]") for i, c in enumerate(item)]
+            children = [(c, (i, 0), None, f"[{i}]") for i, c in enumerate(item)]
         elif isinstance(item, (Tensor, np.ndarray, int, np.integer)) and not isinstance(item, bool):
             return None, modality, []
         else:
             raise TypeError(f"cannot make a leaf or a node from {type(item).__name__} at "
-                            f"{path}; use a list, dict, Node, int token id or 1-D vector")
+                            f"{self.path(u)}; use a list, dict, Node, int token id or 1-D "
+                            "vector")
         if not children:
-            raise ValueError(f"empty {geometry} at {path}: an internal node needs children")
+            raise ValueError(f"empty {geometry} at {self.path(u)}: an internal node needs "
+                             "children")
         return geometry, modality, children
 
     def build(self, cls) -> NestedSignal:
-        x = _stack_leaves(self.leaves, self.leaf_paths)
+        x = _stack_leaves(self.leaves, _LazyPaths(self))
         modality = None
         if any(t >= 0 for t in self.modality):
+            # nodes above the first tagged Node have no tag: they get 0
             modality = [max(t, 0) for t in self.modality]
         sibling_edge_index = None
         if self.sibling_edges:
@@ -639,14 +993,27 @@ class _NestedBuilder:
             for u, i, j in self.sibling_edges:
                 family = kids[u]
                 if not (0 <= i < len(family) and 0 <= j < len(family)):
-                    raise ValueError(f"graph edge ({i}, {j}) of node {u} is out of range "
-                                     f"({len(family)} children)")
+                    raise ValueError(f"graph edge ({i}, {j}) of node {u} at {self.path(u)} is "
+                                     f"out of range ({len(family)} children)")
                 pairs.append((family[i], family[j]))
             sibling_edge_index = torch.tensor(pairs, dtype=torch.long).t()
         key = self.key if any(k is not None for k in self.key) else None
         return cls.from_parents(self.parent, x, geometry=self.geometry,
                                 position=self.position, modality=modality, key=key,
                                 sibling_edge_index=sibling_edge_index)
+
+
+class _LazyPaths:
+    """The paths of a builder's leaves, each built only when an error names it."""
+
+    def __init__(self, builder: _NestedBuilder):
+        self.builder = builder
+
+    def __len__(self) -> int:
+        return len(self.builder.leaf_nodes)
+
+    def __getitem__(self, i: int) -> str:
+        return self.builder.path(self.builder.leaf_nodes[i])
 
 
 def flatten(tree: NestedSignal) -> NestedSignal:
@@ -693,18 +1060,50 @@ def _depth_first_by_position(labels: List[Any], parent: List[int], attrs: Any,
 
 
 # ------------------------------------------------------------------- helpers
+_UNSIGNED_64 = tuple(d for d in (getattr(torch, "uint64", None),) if d is not None)
+
+
 def _as_long_tensor(value: Any, name: str) -> Tensor:
     if isinstance(value, Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        return value.long()
+        out = value.long()
+        unsigned = value.dtype in _UNSIGNED_64
+    else:
+        if isinstance(value, (str, bytes)):
+            raise TypeError(f"{name} must be a sequence of integers, got the "
+                            f"{type(value).__name__} {value!r:.40}")
+        try:
+            array = np.asarray(value)
+        except Exception as error:  # ragged lists and the like
+            raise TypeError(f"{name} must be a sequence of integers: {error}") from None
+        if array.dtype == object or not (np.issubdtype(array.dtype, np.integer)
+                                         or array.size == 0):
+            raise TypeError(f"{name} must be a sequence of integers, got {array.dtype}")
+        unsigned = array.dtype == np.uint64
+        out = torch.as_tensor(array.astype(np.int64))
+    if unsigned and out.numel() and bool((out < 0).any()):
+        # int64 wraps unsigned values >= 2**63 to negatives: -1 would become a root
+        flat = int((out.reshape(-1) < 0).nonzero()[0])
+        raise ValueError(f"{name} holds the unsigned value "
+                         f"{int(out.reshape(-1)[flat]) + 2 ** 64} at flat index {flat}, "
+                         "beyond the int64 range")
+    return out
+
+
+def _as_features(x: Any) -> Tensor:
+    """Leaf features as a tensor, or a TypeError saying what ``x`` was."""
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(f"x must be a tensor of leaf features or token ids, got the "
+                        f"{type(x).__name__} {x!r:.40}")
     try:
-        array = np.asarray(value)
-    except Exception as error:  # ragged lists and the like
-        raise TypeError(f"{name} must be a sequence of integers: {error}") from None
-    if array.dtype == object or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-        raise TypeError(f"{name} must be a sequence of integers, got {array.dtype}")
-    return torch.as_tensor(array.astype(np.int64))
+        x = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as error:  # objects, ragged lists
+        raise TypeError(f"x must be a tensor of leaf features or token ids (or convertible "
+                        f"to one), got a {type(x).__name__}: {error}") from None
+    return x
 
 
 def _geometry_codes(geometry: Any, is_leaf: Tensor) -> Tensor:
@@ -712,6 +1111,11 @@ def _geometry_codes(geometry: Any, is_leaf: Tensor) -> Tensor:
     if isinstance(geometry, str):
         code = _geometry_code(geometry, "geometry")
         return torch.where(is_leaf, LEAF, code).long()
+    if isinstance(geometry, np.ndarray) and geometry.dtype != object:
+        geometry = _as_long_tensor(geometry, "geometry")
+    elif not isinstance(geometry, (Tensor, Iterable)) or isinstance(geometry, bytes):
+        raise TypeError(f"geometry must be a name, a sequence of names (None for leaves) or "
+                        f"integer codes, got the {type(geometry).__name__} {geometry!r:.40}")
     if isinstance(geometry, Tensor):
         if geometry.is_floating_point() or geometry.is_complex() or geometry.dtype == torch.bool:
             raise TypeError(f"geometry codes must be integers, got dtype {geometry.dtype}")
@@ -763,7 +1167,10 @@ def _positions(position: Any, parent: Tensor, geometry: Tensor, children: Tensor
             out[children, 0] = idx - start
             out[children, 1] = 0
         return out
-    if not isinstance(position, Tensor):
+    if not isinstance(position, (Tensor, np.ndarray)):
+        if isinstance(position, (str, bytes)) or not isinstance(position, Iterable):
+            raise TypeError(f"position must be a sequence of ints or (row, col) pairs, got the "
+                            f"{type(position).__name__} {position!r:.40}")
         position = [(-1, -1) if p is None else p for p in position]
     out = _as_long_tensor(position, "position").to(device)
     if out.dim() == 1:
@@ -776,13 +1183,21 @@ def _positions(position: Any, parent: Tensor, geometry: Tensor, children: Tensor
 def _position_pair(value: Any, label: Any) -> tuple:
     if value is None:
         return (-1, -1)
-    if isinstance(value, (int, np.integer)):
+    if _is_int(value):
         return (int(value), 0)
+    if isinstance(value, Tensor) and not value.is_floating_point() and value.dim() <= 1:
+        value = value.tolist()  # a 0-d tensor gives an int, a 1-d one a list
+        if isinstance(value, int):
+            return (value, 0)
     try:
-        pair = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
+        pair = tuple(value)
+    except TypeError:
+        pair = None
+    if pair is None or not all(_is_int(v) for v in pair):
+        # floats (2.7, inf) are refused, not truncated
         raise ValueError(f"node {label!r}: position must be an int or an (int, int) pair, "
-                         f"got {value!r}") from None
+                         f"got {value!r:.60}")
+    pair = tuple(int(v) for v in pair)
     if len(pair) == 1:
         pair = (pair[0], 0)
     if len(pair) != 2:
@@ -790,34 +1205,39 @@ def _position_pair(value: Any, label: Any) -> tuple:
     return pair
 
 
-def _stack_leaves(values: List[Any], where: Iterable[Any]) -> Optional[Tensor]:
-    where = list(where)
+def _stack_leaves(values: List[Any], where: Sequence[Any]) -> Optional[Tensor]:
+    """The leaves as ``x``; ``where[i]`` names leaf ``i`` in errors (it is only
+    indexed on error, so it may be built lazily)."""
     if not values:
         return None
-    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+    if all(_is_int(v) for v in values):
         ids = [int(v) for v in values]
-        big = [(v, w) for v, w in zip(ids, where) if not -2 ** 63 <= v < 2 ** 63]
+        big = [i for i, v in enumerate(ids) if not -2 ** 63 <= v < 2 ** 63]
         if big:
-            raise ValueError(f"leaf at {big[0][1]} is the int {big[0][0]}, outside the int64 "
-                             "range of token ids")
+            raise ValueError(f"leaf at {where[big[0]]} is the int {ids[big[0]]}, outside the "
+                             "int64 range of token ids")
         return torch.tensor(ids, dtype=torch.long)
     if all(isinstance(v, Tensor) and v.dim() == 0 for v in values):  # scalars / token ids
         return torch.stack(values)
     tensors = []
-    for v, w in zip(values, where):
-        if isinstance(v, (int, np.integer)):
-            raise ValueError(f"leaf at {w} is a token id but other leaves are vectors")
-        t = torch.as_tensor(v)
+    for i, v in enumerate(values):
+        if _is_int(v):
+            raise ValueError(f"leaf at {where[i]} is a token id but other leaves are vectors")
+        try:
+            t = torch.as_tensor(v)
+        except (TypeError, ValueError, RuntimeError) as error:  # object arrays
+            raise TypeError(f"leaf at {where[i]} is not a numeric vector: {error}") from None
         if t.dim() == 0:
             t = t.reshape(1)
         if t.dim() != 1:
-            raise ValueError(f"leaf at {w} must be a 1-D vector, got shape {tuple(t.shape)}")
+            raise ValueError(f"leaf at {where[i]} must be a 1-D vector, got shape "
+                             f"{tuple(t.shape)}")
         tensors.append(t)
     first = tensors[0].shape
-    for t, w in zip(tensors, where):
+    for i, t in enumerate(tensors):
         if t.shape != first:
-            raise ValueError(f"leaf at {w} has {t.shape[0]} features, the first leaf has "
-                             f"{first[0]}")
+            raise ValueError(f"leaf at {where[i]} has {t.shape[0]} features, the first leaf "
+                             f"has {first[0]}")
     return torch.stack(tensors)
 
 

@@ -63,7 +63,7 @@ def test_top_level_help_and_version(capsys):
 @pytest.fixture(scope="module")
 def sentences_csv(tmp_path_factory):
     """40 real Pang & Lee sentences (20 per class) as a CSV with string labels."""
-    from hsa_graph.datasets.pang_lee import load_pang_lee_sentences
+    from network_data import pang_lee_sentences as load_pang_lee_sentences
 
     sentences = load_pang_lee_sentences()
     pos = [t for t, label in sentences if label == 1][:20]

@@ -97,3 +97,140 @@ def test_a_cycle_inside_a_node_is_refused():
     children.append(node)
     with pytest.raises(ValueError, match="cycle"):
         NestedSignal.from_nested(node)
+
+
+# ------------------------------------------------- issue 17: types and silent values
+@pytest.mark.parametrize("x, match", [("ab", "got the str 'ab'"), (object(), "got a object"),
+                                      ([[1, 2], [3]], "got a list")])
+def test_non_tensor_x_is_a_type_error(x, match):
+    with pytest.raises(TypeError, match=match):
+        NestedSignal.from_parents([-1, 0, 0], x=x)
+
+
+def test_join_checks_keys_positions_and_edges():
+    a = NestedSignal.from_parents([-1, 0, 0], x=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"keys must have one entry per child \(2\), got 1"):
+        NestedSignal.join([a, a], "keyvalue", keys=["k"])
+    with pytest.raises(ValueError, match=r"keys must have one entry per child \(2\), got 1"):
+        NestedSignal.join([a, a], "sequence", keys=["k"])
+    with pytest.raises(ValueError, match=r"positions must have one entry per child"):
+        NestedSignal.join([a, a], positions=[0])
+    with pytest.raises(ValueError, match=r"edge 0 is \(0,\); each edge is a pair"):
+        NestedSignal.join([a, a], "graph", sibling_edges=[(0,)])
+    with pytest.raises(ValueError, match="not 'graph'"):
+        NestedSignal.join([a, a], "set", sibling_edges=[(0, 1)])
+    with pytest.raises(TypeError, match="join takes a sequence"):
+        NestedSignal.join(None)
+
+
+def test_join_accepts_integer_geometry_codes():
+    a = NestedSignal.from_parents([-1, 0, 0], x=torch.ones(2, 3))
+    by_code = NestedSignal.join([a, a], 3, keys=["p", "q"])
+    by_name = NestedSignal.join([a, a], "keyvalue", keys=["p", "q"])
+    assert torch.equal(by_code.geometry, by_name.geometry) and by_code.key == by_name.key
+    with pytest.raises(ValueError, match="leaf code -1"):
+        NestedSignal.join([a, a], -1)
+    with pytest.raises(ValueError, match="unknown geometry True"):
+        NestedSignal.join([a, a], True)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 1.5, 2.0, 2 ** 64, -1])
+def test_modalities_are_non_negative_ints_not_truncated(bad):
+    a = NestedSignal.from_parents([-1, 0], x=torch.ones(1, 2))
+    error = ValueError if isinstance(bad, int) else TypeError
+    with pytest.raises(error, match="modality must be"):
+        NestedSignal.join([a], modality=bad)
+    with pytest.raises(error, match="the Node modality at root"):
+        NestedSignal.from_nested(Node([1, 2], modality=bad))
+    with pytest.raises(error, match="modality must be"):
+        NestedSignal.from_nested([1, 2], modality=bad)
+    graph = nx.DiGraph([(0, 1), (0, 2)])
+    nx.set_node_attributes(graph, {1: bad}, "modality")
+    with pytest.raises(error, match="node 1: modality must be"):
+        NestedSignal.from_networkx(graph)
+    for builder in (lambda: text_tree("a b", modality=bad),
+                    lambda: image_tree(np.zeros((4, 4, 3), np.uint8), 2, modality=bad)):
+        with pytest.raises((ValueError, TypeError), match="modality must be"):
+            builder()
+    if isinstance(bad, int):
+        with pytest.raises(ValueError, match="text_modality must be >= 0"):
+            document_tree({"a": "x"}, text_modality=bad)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 2.7, (1.5, 0), (0, float("nan"))])
+def test_float_positions_are_refused_not_truncated(bad):
+    a = NestedSignal.from_parents([-1, 0], x=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="position must be an int or an"):
+        NestedSignal.join([a, a], positions=[bad, 1])
+    graph = nx.DiGraph([(0, 1), (0, 2)])
+    nx.set_node_attributes(graph, {1: bad}, "position")
+    with pytest.raises(ValueError, match="node 1: position must be"):
+        NestedSignal.from_networkx(graph)
+
+
+def test_unsigned_parents_beyond_int64_do_not_become_roots():
+    parent = np.array([2 ** 64 - 1, 0], dtype=np.uint64)   # int64 would wrap it to -1
+    with pytest.raises(ValueError, match="unsigned value 18446744073709551615"):
+        NestedSignal.from_parents(parent)
+    with pytest.raises(ValueError, match="unsigned value"):
+        NestedSignal.from_parents(torch.from_numpy(parent))
+
+
+def test_one_element_sibling_edges_are_named():
+    graph = nx.DiGraph([(0, 1), (0, 2)])
+    nx.set_node_attributes(graph, {0: "graph"}, "geometry")
+    graph.graph["sibling_edges"] = [(1,)]
+    with pytest.raises(ValueError, match=r"sibling edge 0 is \(1,\)"):
+        NestedSignal.from_networkx(graph)
+    with pytest.raises(ValueError, match=r"graph Node at root: edge 0 is \(0,\)"):
+        NestedSignal.from_nested(Node([1, 2], geometry="graph", edges=[(0,)]))
+    with pytest.raises(ValueError, match=r"edge 0 is \(0.5, 1\)"):
+        NestedSignal.from_nested(Node([1, 2], geometry="graph", edges=[(0.5, 1)]))
+
+
+def test_edges_on_a_non_graph_node_are_refused_not_dropped():
+    with pytest.raises(ValueError, match="edges were given for the 'set' Node at root"):
+        NestedSignal.from_nested(Node([1, 2], geometry="set", edges=[(0, 1)]))
+    assert NestedSignal.from_nested(Node([1, 2], geometry="set")).num_leaves == 2
+
+
+def test_bad_node_children_are_type_errors_naming_the_place():
+    with pytest.raises(TypeError, match=r"the children of a Node at root\[1\] must be a list"):
+        NestedSignal.from_nested([1, Node(5)])
+    with pytest.raises(TypeError, match="row 0 at root must be a list"):
+        NestedSignal.from_nested(Node([1, 2], geometry="grid"))
+    with pytest.raises(ValueError, match="a Node takes one of"):
+        NestedSignal.from_nested(Node([1, 2], geometry=2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"geometry": None}, "geometry must be a name"), ({"key": 5}, "key must be a sequence"),
+    ({"position": 5}, "position must be a sequence"), ({"geometry": [True, None, None]},
+                                                       "unknown geometry True")])
+def test_from_parents_argument_types(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        NestedSignal.from_parents([-1, 0, 0], **kwargs)
+
+
+@pytest.mark.parametrize("name", ["structure", "is_leaf", "to", "batch", "ptr", "_x",
+                                  "edge_index", "num_leaves"])
+def test_reserved_attribute_names_are_refused(name):
+    with pytest.raises(ValueError, match="attribute name"):
+        NestedSignal.from_parents([-1, 0], **{name: torch.tensor([1, 2])})
+    ok = NestedSignal.from_parents([-1, 0], y=torch.tensor([1]), tokens=["a"])
+    assert ok.y.tolist() == [1] and ok.tokens == ["a"]
+
+
+def test_huge_windows_and_regions_are_the_same_tree():
+    from hsa_graph.builders import hopping_window_parents
+    wide = hopping_window_parents([5, 7], (2, 2 ** 70))
+    exact = hopping_window_parents([5, 7], (2, 7))
+    assert all(torch.equal(a, b) for a, b in zip(wide, exact))
+    with pytest.raises(ValueError, match="lengths\\[0\\] is 9,223,372,036,854,775,808 tokens"):
+        hopping_window_parents([2 ** 63], (2,))
+    image = np.zeros((6, 10, 3), np.uint8)
+    for quadtree in (True, False):
+        huge = image_tree(image, 2, quadtree=quadtree, region=2 ** 70)
+        side = image_tree(image, 2, quadtree=quadtree, region=5)
+        assert torch.equal(huge.parent, side.parent)
+        assert torch.equal(huge.position, side.position)

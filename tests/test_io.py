@@ -266,3 +266,117 @@ def test_unsaveable_attributes_are_named(tmp_path):
         save("tree", tmp_path / "t.pt")
     with pytest.raises(FileNotFoundError):
         load(tmp_path / "missing.pt")
+
+
+# ------------------------------------------------------------ issue 17: hostile files
+def _forged(path, content, kind="tree", digest=None, **header):
+    """A file laid out as save writes it, with ``content`` (and its true digest, which
+    is public: it detects damage, not forgery) or any header fields."""
+    from hsa_graph.io import FORMAT, VERSION, _digest
+    payload = {"format": FORMAT, "version": VERSION, "kind": kind, "content": content}
+    payload["sha256"] = digest if digest is not None else _digest(kind, content)
+    payload.update(header)
+    torch.save(payload, path)
+
+
+def _content(tree):
+    from hsa_graph.io import _tree_content
+    return _tree_content(tree, "the tree")
+
+
+def test_expanded_tensor_is_refused_before_any_allocation(tmp_path):
+    content = _content(NestedSignal.from_parents([-1, 0]))
+    content["extras"]["huge"] = torch.zeros(1).expand(2 ** 40)   # 4 TiB once contiguous
+    path = tmp_path / "bomb.pt"
+    _forged(path, content, digest="0" * 64)
+    assert os.path.getsize(path) < 4096
+    with pytest.raises(ValueError, match=r"view over a storage of 4 bytes \(expanded"):
+        load(path)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "nested", "shared"])
+def test_tensors_save_never_writes_are_refused(tmp_path, kind):
+    content = _content(NestedSignal.from_parents([-1, 0, 0], x=torch.ones(2, 3)))
+    if kind == "sparse":
+        content["x"] = torch.ones(2, 3).to_sparse()
+    elif kind == "meta":
+        content["x"] = torch.empty(2, 3, device="meta")
+    elif kind == "nested":
+        content["extras"]["ragged"] = torch.nested.nested_tensor([torch.ones(2),
+                                                                  torch.ones(3)])
+    else:
+        content["extras"]["alias"] = content["x"]
+    path = tmp_path / f"{kind}.pt"
+    _forged(path, content, digest="0" * 64)
+    with pytest.raises(ValueError):
+        load(path)
+
+
+def test_a_flipped_bit_that_torch_asserts_on_is_a_value_error(tmp_path):
+    """Byte 261, bit 0 of this file once raised ``AssertionError: saved_id must be a
+    tuple`` from inside torch.load; every single-bit flip of the pickle's header is
+    either refused with ValueError or harmless."""
+    tree = text_tree("Flip me.")
+    path = tmp_path / "t.pt"
+    save(tree, path)
+    data = path.read_bytes()
+    rejected = 0
+    for at in range(200, 330):
+        damaged = bytearray(data)
+        damaged[at] ^= 1
+        path.write_bytes(bytes(damaged))
+        try:
+            back = load(path)
+        except ValueError:
+            rejected += 1
+            continue
+        assert torch.equal(back.parent, tree.parent) and back.tokens == tree.tokens
+    assert rejected > 10
+
+
+def test_deeply_nested_header_value_is_described_not_recursed(tmp_path):
+    import sys
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)   # only for writing the forged file
+    try:
+        _forged(tmp_path / "v.pt", {}, digest="0", version=deep)
+        _forged(tmp_path / "k.pt", {}, kind=deep, digest="0")
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(ValueError, match="format version <a list>"):
+        load(tmp_path / "v.pt")
+    with pytest.raises(ValueError, match="unknown kind <a list>"):
+        load(tmp_path / "k.pt")
+
+
+def test_forged_batch_content_is_named_not_a_pyg_error(tmp_path):
+    a = _content(text_tree("One. Two."))
+    b = _content(NestedSignal.from_parents([-1, 0, 0], x=torch.ones(2, 3)))
+    _forged(tmp_path / "b.pt", [a, b], kind="batch")
+    with pytest.raises(ValueError, match="the saved trees do not form a batch: trees 0 and 1"):
+        load(tmp_path / "b.pt")
+
+
+@pytest.mark.parametrize("name", ["structure", "batch", "ptr", "edge_index", "to", "_cache"])
+def test_reserved_extra_names_are_refused_at_load(tmp_path, name):
+    content = _content(NestedSignal.from_parents([-1, 0, 0]))
+    content["extras"][name] = torch.tensor([1, 2, 3])
+    _forged(tmp_path / "r.pt", content)
+    with pytest.raises(ValueError, match=f"attribute name '{name}'"):
+        load(tmp_path / "r.pt")
+
+
+def test_compressed_archive_is_refused(tmp_path):
+    import zipfile
+    path = tmp_path / "t.pt"
+    save(text_tree("Zip me."), path)
+    packed = tmp_path / "packed.pt"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(packed, "w",
+                                                          zipfile.ZIP_DEFLATED) as out:
+        for info in source.infolist():
+            out.writestr(info.filename, source.read(info))
+    with pytest.raises(ValueError, match="compressed entry"):
+        load(packed)

@@ -818,3 +818,110 @@ def test_from_networkx_position_order_is_depth_first():
     # depth first, children by position: 0, 1, 5, 2, 3, 4
     assert tree.x.tolist() == [50, 30, 40]
     assert tree.parent.tolist() == [-1, 0, 1, 0, 3, 3]
+
+
+# ---------------------------------------------- issue 17: depth, stale caches, mixing
+def test_from_nested_memory_is_linear_in_depth():
+    """Each node keeps only its step below its parent; a 40,000-deep nesting once kept
+    every leaf's whole path (quadratic memory, gigabytes)."""
+    import tracemalloc
+
+    def peak(depth: int) -> int:
+        data = [1]
+        for _ in range(depth):
+            data = [data]
+        tracemalloc.start()
+        tree = NestedSignal.from_nested(data)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert tree.num_nodes == depth + 2
+        return top
+
+    small, big = peak(5_000), peak(40_000)
+    assert big < 12 * small  # 8x the nodes: linear, not 64x
+
+
+def test_from_nested_paths_are_still_named_in_errors():
+    data = [[1, 2], {"a": [3, Node([4, "bad"])]}]
+    with pytest.raises(TypeError, match=r"from str at root\[1\]\.a\[1\]\[1\]"):
+        NestedSignal.from_nested(data)
+    deep = [1.5]
+    for _ in range(3):
+        deep = [deep]
+    with pytest.raises(TypeError, match=r"at root\[0\]\[0\]\[0\]\[0\]"):
+        NestedSignal.from_nested(deep)
+
+
+def test_cache_follows_the_edge_index_object_not_its_address():
+    """A replacement ``edge_index`` may reuse the freed memory of an earlier one (same
+    address, version 0, same shape): the cache must still see a new tensor, so it is
+    keyed on the tensor object itself."""
+    from hsa_graph.signal import _StructureCache
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    first = tree.structure
+    cache = tree.__dict__["_structure_cache"]
+    assert isinstance(cache, _StructureCache) and cache.matches(tree.edge_index, 5)
+    alias = tree.edge_index.view(2, -1)   # same address, version counter and shape
+    assert alias.data_ptr() == tree.edge_index.data_ptr()
+    assert not cache.matches(alias, 5)    # ... but another tensor object
+    chain = NestedSignal.from_parents([-1, 0, 1, 2, 3])
+    tree.edge_index = chain.edge_index.clone()
+    assert tree.structure is not first
+    assert tree.structure.internal_size.tolist() == chain.structure.internal_size.tolist()
+    with pytest.raises(ValueError, match="node 2 has children but its geometry code is -1"):
+        tree.validate()                   # the geometries still describe the old tree
+    tree.geometry = chain.geometry
+    assert tree.validate()
+
+
+def test_validate_checks_the_tree_and_drops_a_stale_cache():
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    before = tree.structure
+    tree.edge_index.numpy()[0, 3] = 0        # bypasses torch's version counter
+    assert tree.structure is before          # the O(1) check cannot see it ...
+    assert tree.validate()                   # ... validate does
+    assert tree.structure is not before
+    assert tree.structure.internal_size.tolist() == [3.0, 1.0]   # leaves 2, 3, 4 | 3
+    tree.edge_index = torch.tensor([[0, 0, 1, 1], [1, 2, 3, 3]])
+    with pytest.raises(ValueError, match="node 3 has 2 parents"):
+        tree.validate()
+    with pytest.warns(UserWarning, match="node 3 has 2 parents"):
+        assert tree.validate(raise_on_error=False) is False
+    leafy = NestedSignal.from_parents([-1, 0, 0])
+    leafy.geometry = torch.tensor([0, 0, -1])
+    with pytest.raises(ValueError, match="node 1 is a leaf but its geometry code is 0"):
+        leafy.validate()
+
+
+def test_cache_survives_pickle_and_copies_as_a_rebuild():
+    import copy
+    import pickle
+    tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
+    first = tree.structure
+    assert copy.copy(tree).structure is first   # same edge_index object
+    for other in (copy.deepcopy(tree), pickle.loads(pickle.dumps(tree))):
+        assert other.structure is not first
+        assert other.structure.internal_size.tolist() == first.internal_size.tolist()
+
+
+def test_collate_names_trees_that_cannot_share_a_batch():
+    from torch.utils.data import DataLoader as TorchLoader
+
+    from hsa_graph import collate
+    from hsa_graph.builders import image_tree, text_tree
+    text = text_tree("Hi there. Bye.")
+    image = image_tree(np.zeros((4, 4, 3), np.uint8), 2)
+    loader = TorchLoader([text, image], batch_size=2, collate_fn=collate)
+    with pytest.raises(ValueError, match=r"trees 0 and 1 cannot share a batch: tree 0 has "
+                                         r"\['span', 'tokens'\], which tree 1 lacks"):
+        next(iter(loader))
+    del text.tokens, text.span
+    with pytest.raises(ValueError, match=r"'x' is a \[5\] int64 tensor in tree 0 and a "
+                                         r"\[4, 12\] float32 tensor in tree 1 \(token ids"):
+        collate([text, image])
+    embedded = text_tree("Hi there. Bye.", embed=lambda ids: torch.ones(len(ids), 12))
+    del embedded.tokens, embedded.span
+    batch = collate([embedded, image])
+    assert batch.num_graphs == 2 and batch.x.shape == (5 + 4, 12)
+    with pytest.raises(TypeError, match="item 1 is a str"):
+        collate([image, "tree"])

@@ -189,9 +189,9 @@ class _Document:
                                          or not isinstance(override, (int, np.integer))):
                 raise TypeError(f"{_render(path)}: Node modality must be an int, got "
                                 f"{override!r}")
-            if override is not None and override < 0:
-                raise ValueError(f"{_render(path)}: Node modality must be >= 0, got "
-                                 f"{override!r}")
+            if override is not None and not 0 <= override < 2 ** 63:
+                raise ValueError(f"{_render(path)}: Node modality must be >= 0 (an int64), "
+                                 f"got {override!r:.40}")
             if list(value.edges) and geometry != "graph":
                 raise ValueError(f"{_render(path)}: edges are only for graph nodes, this "
                                  f"Node is {geometry!r}")
@@ -423,8 +423,8 @@ def document_tree(
                       ("mixed_modality", mixed_modality)):
         if tag is not None and (isinstance(tag, bool) or not isinstance(tag, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {tag!r}")
-        if tag is not None and tag < 0:
-            raise ValueError(f"{name} must be >= 0, got {tag!r}")
+        if tag is not None and not 0 <= tag < 2 ** 63:
+            raise ValueError(f"{name} must be >= 0 (an int64), got {tag!r:.40}")
     document = _Document(text, image, text_modality, image_modality, mixed_modality)
     document.walk(fields)
     return document.build()

@@ -1012,7 +1012,10 @@ def website_tree(
             raise TypeError(f"page {i}: the URL must be a str, got {type(url).__name__}")
         if not isinstance(html, str):
             raise TypeError(f"page {url!r}: html must be a str, got {type(html).__name__}")
-        key = _normalise_url(url)
+        try:
+            key = _normalise_url(url)
+        except ValueError as error:  # urlsplit: "Invalid IPv6 URL", bad port...
+            raise ValueError(f"page {i}: the URL {url!r:.80} is malformed ({error})") from None
         if key in index:
             raise ValueError(f"duplicate page URL: {url!r} is the same page as "
                              f"{items[index[key]][0]!r}")
@@ -1023,9 +1026,11 @@ def website_tree(
                                 empty_token, max_depth, max_children)
         trees.append(tree)
         if links is None:
-            base = urljoin(url, page.base) if page.base else url
+            base = _resolve(url, page.base) if page.base else url
             for href in page.links:
-                j = index.get(_normalise_url(urljoin(base, href)))
+                # a malformed href (a browser ignores it, as html_tree does) links nowhere
+                target = _resolve(base or url, href)
+                j = index.get(target) if target is not None else None
                 if j is not None:
                     found.append((i, j))
     if links is not None:
@@ -1040,9 +1045,22 @@ def website_tree(
     return NestedSignal.join(trees, "graph", sibling_edges=sorted(edges))
 
 
+def _resolve(base: str, href: str) -> Optional[str]:
+    """The normalised URL of ``href`` on a page at ``base``; ``None`` when either is
+    malformed (``urllib`` raises ValueError on e.g. ``http://[::1``)."""
+    try:
+        return _normalise_url(urljoin(base, href))
+    except ValueError:
+        return None
+
+
 def _page_index(page: Union[str, int], index: Dict[str, int], n: int) -> int:
     if isinstance(page, str):
-        j = index.get(_normalise_url(page))
+        try:
+            key = _normalise_url(page)
+        except ValueError as error:
+            raise ValueError(f"link to {page!r:.80}, a malformed URL ({error})") from None
+        j = index.get(key)
         if j is None:
             raise ValueError(f"link to {page!r}, which is not one of the pages")
         return j

@@ -188,8 +188,9 @@ def image_tree(
         raise ValueError(f"region must be an int >= 2, got {region!r}")
     if fit not in ("pad", "crop"):
         raise ValueError(f"fit must be 'pad' or 'crop', got {fit!r}")
-    if isinstance(modality, bool) or not isinstance(modality, numbers.Integral) or modality < 0:
-        raise ValueError(f"modality must be a non-negative int, got {modality!r}")
+    if isinstance(modality, bool) or not isinstance(modality, numbers.Integral) or \
+            not 0 <= modality < 2 ** 63:
+        raise ValueError(f"modality must be a non-negative int (int64), got {modality!r:.40}")
     if isinstance(pad_value, bool) or not isinstance(pad_value, numbers.Real):
         raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
     pixels = _as_tensor(image)
@@ -249,7 +250,10 @@ def image_tree(
             raise ValueError(f"embed must map the patches [{rows * cols}, {ph}, {pw}, "
                              f"{patches.shape[-1]}] to [{rows * cols}, F], got shape "
                              f"{tuple(x.shape)}")
-    parent, position = _tree_arrays(rows, cols, quadtree, int(region))
+    # a region wider than the grid is one region: the same tree as region = the grid's
+    # side, and int64 arithmetic never sees a huge region
+    region = min(int(region), max(rows, cols, 2))
+    parent, position = _tree_arrays(rows, cols, quadtree, region)
     parent, position = parent.to(x.device), position.to(x.device)
     return NestedSignal.from_parents(parent, x, geometry="grid", position=position,
                                      modality=torch.full_like(parent, int(modality)))

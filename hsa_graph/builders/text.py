@@ -120,9 +120,16 @@ _CLUSTER = re.compile(f"[{_TERMINATORS}]+(?:[ \\t][.!?]+)*")
 _CLOSERS = "\"'”’»›)]}"
 # Control and format characters (not whitespace): invisible, never tokens, and skipped
 # like closers after a terminator ("Good.\x05 Bad." ends a sentence).
+# That is every character of categories Cc and Cf in Unicode 14 (Arabic and Egyptian
+# format marks, interlinear annotation, tags too), plus the unassigned U+2065.
+_FORMAT_RANGES = ((0x0, 0x1f), (0x7f, 0x9f), (0xad, 0xad), (0x600, 0x605), (0x61c, 0x61c),
+                  (0x6dd, 0x6dd), (0x70f, 0x70f), (0x890, 0x891), (0x8e2, 0x8e2),
+                  (0x180e, 0x180e), (0x200b, 0x200f), (0x202a, 0x202e), (0x2060, 0x206f),
+                  (0xfeff, 0xfeff), (0xfff9, 0xfffb), (0x110bd, 0x110bd), (0x110cd, 0x110cd),
+                  (0x13430, 0x13438), (0x1bca0, 0x1bca3), (0x1d173, 0x1d17a),
+                  (0xe0001, 0xe0001), (0xe0020, 0xe007f))
 _INVISIBLE_CHARS = frozenset(
-    c for c in map(chr, [*range(0x20), *range(0x7f, 0xa0), 0xad, *range(0x200b, 0x2010),
-                         *range(0x202a, 0x202f), *range(0x2060, 0x2070), 0xfeff])
+    c for c in (chr(cp) for a, b in _FORMAT_RANGES for cp in range(a, b + 1))
     if not c.isspace())
 _AFTER_TERMINATOR = frozenset(_CLOSERS) | _INVISIBLE_CHARS
 _OPENERS = "\"'“‘„«‹([{¿¡*"
@@ -307,12 +314,12 @@ def _combining_marks() -> str:
                 first = last = cp
         ranges.append((first, last))
         _MARKS = "".join(f"\\u{p:04x}-\\u{q:04x}" if p != q else f"\\u{p:04x}"
-                         for p, q in ranges) + "\\u200c\\u200d"
+                         for p, q in ranges)
     return _MARKS
 
 
 # The same characters as a regex class body: never tokens (noise in real corpora).
-_INVISIBLE = "".join(f"\\u{ord(c):04x}" for c in sorted(_INVISIBLE_CHARS))
+_INVISIBLE = "".join(f"\\U{ord(c):08x}" for c in sorted(_INVISIBLE_CHARS))
 
 
 def _hash_id(token: str, num_buckets: int) -> int:
@@ -351,12 +358,15 @@ class WordTokenizer:
             raise ValueError(f"num_buckets must be a positive int, got {num_buckets!r}")
         self.lowercase = bool(lowercase)
         self.num_buckets = num_buckets
-        word = f"[\\w{_combining_marks()}]"
+        letters = f"[\\w{_combining_marks()}]+"
+        # zero-width (non-)joiners only inside a word ("मन्‍त्र"); elsewhere they are
+        # format characters like the others, skipped
+        word = f"{letters}(?:[\\u200c\\u200d]+{letters})*"
         # One capturing group around the whole pattern: re.split then returns
         # [gap, token, gap, token, ..., gap] in C, and offsets follow from the lengths.
         self._split = re.compile(
             f"(\\d+(?:[.,:]\\d+)+(?!\\w)"          # 3.5, 1,000, 10:30
-            f"|{word}+(?:['’]{word}+)*"          # words, with inner apostrophes
+            f"|{word}(?:['’]{word})*"            # words, with inner apostrophes
             f"|[^\\w\\s{_INVISIBLE}])").split     # other visible characters
         self._ids: Dict[str, int] = {}
 
@@ -486,11 +496,24 @@ def _tokenize_transformers(tokenizer: Any, sentences: List[str]) -> _Tokens:
 _SUBWORD_MARKERS = ("##", "\u2581", "\u0120")
 
 
+#: How far past the cursor the next token is looked for first (then in the whole rest
+#: of the sentence, while the scan budget lasts).
+_LOCATE_WINDOW = 256
+
+
 def _locate(sentence: str, tokens: List[str]) -> Tuple[List[int], List[int]]:
     """Offsets of tokens found in order in the sentence (ignoring case, where that keeps
-    offsets, and subword markers); ``-1`` where a token is not found."""
+    offsets, and subword markers); ``-1`` where a token is not found.
+
+    Linear time whatever the tokenizer: each token is first looked for just past the
+    previous one; only when it is not there is the rest of the sentence searched, and
+    such searches that find nothing (a normalising tokenizer's tokens are not in the
+    text) may scan at most a few times the sentence's length in all. After that, tokens
+    are only looked for near the cursor.
+    """
     lowered = sentence.lower()
     haystack = lowered if len(lowered) == len(sentence) else sentence
+    budget = 4 * len(haystack) + 4096  # characters that failed full searches may scan
     starts, ends, cursor = [], [], 0
     for token in tokens:
         needle = token
@@ -500,7 +523,13 @@ def _locate(sentence: str, tokens: List[str]) -> Tuple[List[int], List[int]]:
                 break
         if haystack is lowered:
             needle = needle.lower()
-        at = haystack.find(needle, cursor) if needle else -1
+        at = -1
+        if needle:
+            at = haystack.find(needle, cursor, cursor + len(needle) + _LOCATE_WINDOW)
+            if at < 0 and budget > 0:
+                at = haystack.find(needle, cursor)
+                if at < 0:
+                    budget -= len(haystack) - cursor
         if at < 0:
             starts.append(-1)
             ends.append(-1)
@@ -643,8 +672,8 @@ def _options(tokenizer: Any, embed: Any, embed_input: str, modality: Any) -> Any
         raise TypeError(f"embed must be callable, got {type(embed).__name__}")
     if embed_input not in ("ids", "tokens"):
         raise ValueError(f"embed_input must be 'ids' or 'tokens', got {embed_input!r}")
-    if not isinstance(modality, int) or isinstance(modality, bool) or modality < 0:
-        raise ValueError(f"modality must be a non-negative int, got {modality!r}")
+    if not isinstance(modality, int) or isinstance(modality, bool) or not 0 <= modality < 2 ** 63:
+        raise ValueError(f"modality must be a non-negative int (int64), got {modality!r:.40}")
     return WordTokenizer() if tokenizer is None else tokenizer
 
 

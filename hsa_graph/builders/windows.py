@@ -83,7 +83,9 @@ def _check_branching(branching: Branching) -> Tuple[int, ...]:
                              f"got {b!r}")
         if b < 1:
             raise ValueError(f"branching[{level - 1}] (level {level}) must be >= 1, got {b}")
-        out.append(int(b))
+        # a window wider than any sequence this builder accepts is one window over the
+        # whole level: the same tree, and no int64 overflow on a huge size
+        out.append(min(int(b), MAX_TOKENS + 1))
     return tuple(out)
 
 
@@ -102,6 +104,9 @@ def _check_lengths(lengths, device) -> Tensor:
         for b, t in enumerate(values):
             if isinstance(t, bool) or not isinstance(t, (numbers.Integral, np.integer)):
                 raise ValueError(f"lengths[{b}] must be an int, got {t!r}")
+            if int(t) > MAX_TOKENS:  # before torch.tensor, which overflows past int64
+                raise ValueError(f"lengths[{b}] is {int(t):,} tokens, more than the "
+                                 f"{MAX_TOKENS:,} this builder accepts")
         lengths = torch.tensor([int(t) for t in values], dtype=torch.long, device=device)
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be one-dimensional, got shape {tuple(lengths.shape)}")

@@ -472,7 +472,7 @@ def _rng_state() -> Dict[str, Any]:
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(tuple(tuple(s) if isinstance(s, list) else s for s in state["python"]))
+    random.setstate(_python_rng(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -487,6 +487,88 @@ def _gather_rng() -> List[Dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ fit
+#: What a ``last.pt`` of :func:`fit` holds, and the type of each entry.
+_RESUME_KEYS = {"epoch": int, "model": dict, "optimizer": dict, "history": list,
+                "best_epoch": int, "best": dict, "best_model": dict, "rng": list}
+
+
+def _check_resume_state(state: Dict[str, Any], path: Path, config: TrainConfig) -> None:
+    """Validate every field of a ``last.pt`` before anything is restored from it.
+
+    The ``.sha256`` sidecar only proves the file is the one that was written; without
+    it (deleted, or never copied along) a hand-edited checkpoint must still not resume
+    a run into an impossible state (a negative epoch, a history that does not match the
+    epoch, random states that torch or Python refuse)."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"cannot resume from {path}: {what}")
+
+    missing = sorted(set(_RESUME_KEYS) - set(state))
+    if missing:
+        raise bad(f"the checkpoint lacks {missing} (it is not a last.pt of fit)")
+    for key, kind in _RESUME_KEYS.items():
+        value = state[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise bad(f"{key!r} is a {type(value).__name__}, expected a {kind.__name__}")
+    epoch = state["epoch"]
+    if not 1 <= epoch:
+        raise bad(f"'epoch' is {epoch}; a checkpoint is written after epoch 1 or later")
+    history = state["history"]
+    if len(history) != epoch:
+        raise bad(f"'history' has {len(history)} entries for epoch {epoch}")
+    for i, entry in enumerate(history):
+        if not isinstance(entry, dict) or type(entry.get("epoch")) is not int or \
+                entry["epoch"] != i + 1:
+            raise bad(f"'history' entry {i} is not the record of epoch {i + 1}")
+        for name, value in entry.items():
+            if not isinstance(name, str) or not isinstance(value, (int, float)) or \
+                    isinstance(value, bool):
+                raise bad(f"'history' entry {i} has {_short(name)} = {_short(value)}; entries "
+                          "map names to numbers")
+    if not 1 <= state["best_epoch"] <= epoch:
+        raise bad(f"'best_epoch' is {state['best_epoch']}, outside [1, {epoch}]")
+    for key in ("model", "best_model"):
+        if not all(isinstance(k, str) for k in state[key]):
+            raise bad(f"{key!r} must map parameter names to tensors")
+    for name, value in state["best"].items():
+        if not isinstance(name, str) or not isinstance(value, (int, float)):
+            raise bad(f"'best' has {_short(name)} = {_short(value)}; it maps names to numbers")
+    if not state["rng"]:
+        raise bad("'rng' is empty; fit saves one random state per process")
+    reference = torch.get_rng_state()
+    for r, rng in enumerate(state["rng"]):
+        if not isinstance(rng, dict) or "torch" not in rng or "python" not in rng:
+            raise bad(f"'rng' entry {r} must hold the 'torch' and 'python' random states")
+        torch_state = rng["torch"]
+        if not isinstance(torch_state, Tensor) or torch_state.dtype != torch.uint8 or \
+                torch_state.shape != reference.shape:
+            raise bad(f"'rng' entry {r} has a torch random state that is not a "
+                      f"{list(reference.shape)} uint8 tensor")
+        try:
+            random.Random().setstate(_python_rng(rng["python"]))
+        except Exception as error:  # noqa: BLE001 - setstate raises many kinds on junk
+            raise bad(f"'rng' entry {r} has a Python random state that random.setstate "
+                      f"refuses: {error}") from None
+        cuda_state = rng.get("cuda")
+        if cuda_state is not None and (not isinstance(cuda_state, Tensor)
+                                       or cuda_state.dtype != torch.uint8):
+            raise bad(f"'rng' entry {r} has a CUDA random state that is not a uint8 tensor")
+
+
+def _short(value: Any) -> str:
+    """A bounded description (no recursive repr: a deeply nested forged value would
+    raise RecursionError while the message is built)."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return repr(value)[:40]
+    return f"<a {type(value).__name__}>"
+
+
+def _python_rng(state: Any) -> Any:
+    """A Python random state as torch.load gives it back (lists) in setstate's form."""
+    if not isinstance(state, (list, tuple)):
+        return state
+    return tuple(tuple(s) if isinstance(s, list) else s for s in state)
+
+
 def _progress(iterable, enabled: bool, **kwargs):
     if not enabled:
         return iterable
@@ -503,6 +585,7 @@ def _resume(path: Path, model: Module, optimizer: torch.optim.Optimizer,
     """Restore model, optimizer and random states from ``last.pt``; return
     ``(epoch, history, best_epoch, best_metrics, best_state)``."""
     state = load_checkpoint(path, map_location="cpu")
+    _check_resume_state(state, path, config)
     saved = state.get("config", {})
     for name in _RUN_DEFINING:
         if name in saved and saved[name] != getattr(config, name):

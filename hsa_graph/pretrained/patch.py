@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -50,8 +51,34 @@ __all__ = ["HSAPatch", "hsa_attention_forward", "patch_hsa", "unpatch_hsa", "IMP
 #: The name under which the attention and mask functions are registered.
 IMPLEMENTATION = "hsa_graph"
 
-# Patched configs (by id) -> their patch; both registered functions look it up.
-_PATCHES: Dict[int, HSAPatch] = {}
+# Patched configs (by id) -> (a weak reference to the config, its patch); both
+# registered functions look it up. The config is held weakly, and the patch holds its
+# model and configs weakly too, so a patched model deleted without unpatch() is freed
+# (and its entry dropped) like any other; a reused id never finds a dead config's patch.
+_PATCHES: Dict[int, Tuple[weakref.ReferenceType, HSAPatch]] = {}
+
+
+def _patch_of(config: Any) -> Optional[HSAPatch]:
+    """The live patch of ``config`` (``None`` when it is not patched)."""
+    entry = _PATCHES.get(id(config))
+    if entry is None or entry[0]() is not config:
+        return None
+    return entry[1]
+
+
+def _register_config(config: Any, patch: HSAPatch) -> None:
+    key = id(config)
+
+    def forget(ref: weakref.ReferenceType) -> None:
+        if _PATCHES.get(key, (None,))[0] is ref:
+            del _PATCHES[key]
+
+    _PATCHES[key] = (weakref.ref(config, forget), patch)
+
+
+def _unregister_config(config: Any) -> None:
+    if _patch_of(config) is not None:
+        del _PATCHES[id(config)]
 
 
 class HSAPatch:
@@ -71,18 +98,32 @@ class HSAPatch:
 
     def __init__(self, model: Any, layers: Tuple[int, ...], hierarchy: Hierarchy,
                  original: str, configs: List[Any]):
-        self.model = model
+        self._model = weakref.ref(model)
         self.layers = frozenset(layers)
         self.hierarchy = hierarchy
         self.original = original
-        self._configs = configs
+        self._configs = [weakref.ref(c) for c in configs]
         self._stack: List[Hierarchy] = []
         self._records: Optional[Dict[int, Tuple[Tensor, Tensor, float]]] = None
         self._cache: Optional[tuple] = None
         self.active = True
 
+    @property
+    def model(self) -> Any:
+        """The patched model (held weakly: the patch does not keep it alive).
+
+        Raises:
+            ReferenceError: the model was deleted.
+        """
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the patched model no longer exists")
+        return model
+
     def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}({type(self.model).__name__}, "
+        model = self._model()
+        name = type(model).__name__ if model is not None else "<deleted model>"
+        return (f"{self.__class__.__name__}({name}, "
                 f"layers={sorted(self.layers)}, hierarchy={_describe(self.hierarchy)}, "
                 f"original={self.original!r}{'' if self.active else ', unpatched'})")
 
@@ -96,9 +137,13 @@ class HSAPatch:
         """Restore the original attention implementation (idempotent)."""
         if not self.active:
             return
-        self.model.set_attn_implementation(self.original)
-        for config in self._configs:
-            _PATCHES.pop(id(config), None)
+        model = self._model()
+        if model is not None:
+            model.set_attn_implementation(self.original)
+        for ref in self._configs:
+            config = ref()
+            if config is not None:
+                _unregister_config(config)
         self._cache = None
         self.active = False
 
@@ -184,7 +229,7 @@ def hsa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, v
     Returns:
         ``([B, L, H, Dv], None)``; zeros at pad positions in replaced layers.
     """
-    patch = _PATCHES.get(id(getattr(module, "config", None)))
+    patch = _patch_of(getattr(module, "config", None))
     hierarchy = kwargs.pop("hsa_hierarchy", None)
     if patch is None:
         raise RuntimeError("the 'hsa_graph' attention runs only in a model patched with "
@@ -229,7 +274,7 @@ def _hsa_mask(*args: Any, config: Any = None, **kwargs: Any):
     mask, so the untouched layers get exactly what they got before."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    patch = _PATCHES.get(id(config))
+    patch = _patch_of(config)
     original = patch.original if patch is not None else "sdpa"
     return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
 
@@ -298,7 +343,7 @@ def patch_hsa(model: Any, layers: Optional[Iterable[int]] = None,
         raise ValueError("HSA replaces bidirectional self-attention: this model is a "
                          "decoder (config.is_decoder)")
     original = config._attn_implementation
-    if original == IMPLEMENTATION or id(config) in _PATCHES:
+    if original == IMPLEMENTATION or _patch_of(config) is not None:
         raise ValueError("the model is already patched; call unpatch() first")
     if original not in ("sdpa", "eager"):
         raise ValueError(f"attention implementation {original!r} is not supported; load "
@@ -320,12 +365,12 @@ def patch_hsa(model: Any, layers: Optional[Iterable[int]] = None,
                           and hasattr(m.config, "_attn_implementation")]
     patch = HSAPatch(model, layers, hierarchy, original, configs)
     for c in configs:
-        _PATCHES[id(c)] = patch
+        _register_config(c, patch)
     try:
         model.set_attn_implementation(IMPLEMENTATION)
     except Exception:
         for c in configs:
-            _PATCHES.pop(id(c), None)
+            _unregister_config(c)
         raise
     return patch
 
@@ -336,7 +381,7 @@ def unpatch_hsa(model: Any) -> None:
     Raises:
         ValueError: the model is not patched.
     """
-    patch = _PATCHES.get(id(getattr(model, "config", None)))
+    patch = _patch_of(getattr(model, "config", None))
     if patch is None:
         raise ValueError("the model is not patched by patch_hsa")
     patch.unpatch()

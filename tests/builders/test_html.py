@@ -703,3 +703,18 @@ def test_website_bad_input():
     assert site.sibling_edge_index.tolist() == [[roots[0]], [roots[1]]]
     with pytest.raises(ValueError, match="no content"):
         website_tree({"a.html": "<p>A</p>", "b.html": ""}, empty_token=None)
+
+
+def test_website_with_malformed_links_and_urls():
+    """A malformed href (``http://[::1``: urllib raises "Invalid IPv6 URL") links
+    nowhere, as html_tree ignores it; a malformed page URL or link end is named."""
+    page = '<p>Hi <a href="http://[::1">bad</a> <a href="b.html">b</a></p>'
+    assert html_tree(page).num_leaves > 0
+    site = website_tree({"https://x.org/": page,
+                         "https://x.org/b.html": '<base href="http://[x"><a href="/">home</a>'})
+    roots = site.sibling_edge_index.tolist()
+    assert len(roots[0]) == 2 and roots[0] == roots[1][::-1]   # a <-> b, nothing else
+    with pytest.raises(ValueError, match=r"page 1: the URL 'http://\[::1' is malformed"):
+        website_tree({"https://x.org/": page, "http://[::1": "<p>x</p>"})
+    with pytest.raises(ValueError, match=r"link to 'http://\[::1', a malformed URL"):
+        website_tree({"https://x.org/": page}, links=[("https://x.org/", "http://[::1")])

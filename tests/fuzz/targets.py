@@ -10,7 +10,7 @@ targets, with few and with many examples.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import networkx as nx
 import numpy as np
@@ -404,7 +404,307 @@ def run_io(data) -> None:
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
 
 
-TARGETS: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {
+# ------------------------------------------------- issue 17: scale and hostile files
+def case_size(case: Any) -> int:
+    """A rough size of a case (containers, string characters, tensor elements), walked
+    iteratively (a 20,000-deep nesting must not recurse): what the time and memory
+    budgets of benchmarks/fuzz.py scale with."""
+    total, stack, seen = 0, [case], set()
+    while stack:
+        item = stack.pop()
+        total += 1
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, torch.Tensor):
+            total += item.numel() if item.layout == torch.strided and not item.is_nested \
+                and not item.is_meta else 1
+        elif isinstance(item, np.ndarray):
+            total += item.size
+        elif isinstance(item, (list, tuple, dict, Node)) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, Node):
+                item = item.children
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return total
+
+
+def deep_nestings():
+    """Chains up to 20,000 deep, wide lists up to 20,000 long, and combs (each level
+    a leaf and the next level), with int or vector leaves and dict or Node levels."""
+    @st.composite
+    def draw(draw):
+        shape = draw(st.sampled_from(["chain", "wide", "comb", "dict-chain", "node-chain"]))
+        n = draw(st.one_of(st.integers(1, 50), st.integers(1, 2_000), st.integers(1, 20_000)))
+        leaf = draw(st.sampled_from(["int", "vector"]))
+        make = (lambda i: i) if leaf == "int" else (lambda i: np.full(2, float(i)))
+        if shape == "wide":
+            return shape, n, [make(i) for i in range(n)]
+        data: Any = [make(0)]
+        for i in range(1, n):
+            if shape == "comb":
+                data = [make(i), data]
+            elif shape == "dict-chain":
+                data = {"k": data}
+            elif shape == "node-chain":
+                data = Node([data], geometry="set")
+            else:
+                data = [data]
+        return shape, n, data
+    return draw()
+
+
+def run_deep_nesting(case) -> None:
+    shape, n, data = case
+    tree = call(NestedSignal.from_nested, data)
+    leaves = {"wide": n, "comb": n}.get(shape, 1)
+    assert tree.num_leaves == leaves
+    depth = tree.structure.max_depth
+    assert depth == (0 if shape == "wide" else n - 1)   # one internal node per level
+    assert tree.x.shape[0] == leaves
+
+
+def normalising_tokenizers():
+    """Texts with a tokenizer whose tokens are normalised (case-folded, NFKD, accents
+    dropped, prefixed) or invented, so that many are not substrings of the text."""
+    import unicodedata
+
+    def fold(word: str) -> str:
+        return "".join(c for c in unicodedata.normalize("NFKD", word.casefold())
+                       if not unicodedata.combining(c))
+
+    kinds = {"casefold": lambda s: [w.casefold() for w in s.split()],
+             "nfkd": lambda s: [fold(w) for w in s.split()],
+             "prefix": lambda s: ["##" + w for w in s.split()],
+             "invented": lambda s: [f"<{len(w)}>" for w in s.split()],
+             "upper": lambda s: [w.upper() for w in s.split()]}
+    words = st.text(ALPHABET.replace("\n", ""), min_size=1, max_size=8)
+    return st.tuples(st.sampled_from(sorted(kinds)),
+                     st.one_of(st.lists(words, max_size=40), st.integers(1, 60_000)
+                               .map(lambda n: [f"Wörd{i % 97}" for i in range(n)]))
+                     ).map(lambda c: (c[0], kinds[c[0]], " ".join(c[1])))
+
+
+def run_normalising(case) -> None:
+    _, tokenizer, text = case
+    tree = call(text_tree, text, tokenizer=tokenizer)
+    leaves = tree.leaf_index.tolist()
+    assert len(tree.tokens) == len(leaves)
+    span = tree.span.tolist()
+    last = -1
+    for token, u in zip(tree.tokens, leaves):
+        a, b = span[u]
+        if a < 0:
+            continue
+        assert a >= last, "located tokens go forward"
+        last = a
+        found = text[a:b].lower()
+        needle = token[2:] if token.startswith("##") and len(token) > 2 else token
+        assert found == needle.lower() or text[a:b] == needle, (token, text[a:b])
+
+
+def _saved_tree_bytes() -> Tuple[bytes, NestedSignal]:
+    import io as bytes_io
+    tree = text_tree("Hostile files. Loaded safely!")
+    buffer = bytes_io.BytesIO()
+    hsa_graph.io.save(tree, buffer)
+    return buffer.getvalue(), tree
+
+
+def hostile_files():
+    """A saved tree, forged: header fields replaced (deep lists, huge ints, wrong
+    types), content tensors swapped for expanded, sparse, meta, nested, shared or
+    wrongly typed ones, reserved or odd extra names, bits flipped, bytes cut."""
+    deep = st.integers(1, 3_000).map(_deep_list)
+    odd = st.one_of(deep, st.integers(-2**70, 2**70), st.text(max_size=5), st.none(),
+                    st.just({"a": 1}), st.floats(allow_nan=True))
+    field = st.sampled_from(["format", "version", "kind", "sha256", "content"])
+    tensor_kind = st.sampled_from(["expanded", "sparse", "meta", "nested", "shared",
+                                   "float parent", "uint8 parent", "huge position"])
+    slot = st.sampled_from(["parent", "x", "geometry", "position", "modality",
+                            "sibling_edge_index", "extra"])
+    name = st.sampled_from(["structure", "batch", "ptr", "to", "_x", "a b", "edge_index",
+                            "num_nodes", "parent", "tokens2", "y"])
+    return st.one_of(
+        st.tuples(st.just("header"), field, odd),
+        st.tuples(st.just("tensor"), tensor_kind, slot),
+        st.tuples(st.just("extra"), name, st.sampled_from([1, "s", [1, 2]])),
+        st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
+        st.tuples(st.just("cut"), st.floats(0, 1), st.just(None)))
+
+
+def _deep_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _hostile_tensor(kind: str, like: torch.Tensor) -> torch.Tensor:
+    if kind == "expanded":
+        return torch.zeros(1, dtype=like.dtype).expand(2 ** 36)
+    if kind == "sparse":
+        return torch.ones(2, 2).to_sparse()
+    if kind == "meta":
+        return torch.empty(3, device="meta")
+    if kind == "nested":
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    if kind == "float parent":
+        return like.double()
+    if kind == "uint8 parent":
+        return like.to(torch.uint8)
+    if kind == "huge position":
+        return torch.full_like(like, 2 ** 62)
+    return like  # "shared": the caller aliases it
+
+
+def run_hostile_file(case) -> None:
+    import io as bytes_io
+
+    from hsa_graph.io import _digest, _tree_content
+    what, a, b = case
+    data, tree = _saved_tree_bytes()
+    if what in ("flip", "cut"):
+        raw = bytearray(data)
+        if what == "flip":
+            raw[a % len(raw)] ^= 1 << b
+        else:
+            raw = raw[:int(len(raw) * a)]
+        blob = bytes(raw)
+    else:
+        content = _tree_content(tree, "the tree")
+        payload = {"format": hsa_graph.io.FORMAT, "version": hsa_graph.io.VERSION,
+                   "kind": "tree", "content": content}
+        if what == "header":
+            payload[a] = b
+        elif what == "tensor":
+            key = "parent" if a == "shared" else b
+            target = content["extras"] if key == "extra" else content
+            name = "forged" if key == "extra" else key
+            like = content["parent"] if key == "extra" else (content[key] if content.get(key)
+                                                             is not None else content["parent"])
+            target[name] = content["x"] if a == "shared" and key != "x" else \
+                _hostile_tensor(a, like)
+        else:
+            content["extras"][a] = b
+        try:
+            payload.setdefault("sha256", _digest("tree", content))
+        except (TypeError, ValueError, RecursionError):
+            payload["sha256"] = "0" * 64  # a forger need not match it
+        if payload.get("sha256") is None:
+            payload["sha256"] = "0"
+        buffer = bytes_io.BytesIO()
+        import sys
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)  # pickling the forged deep header recurses
+        try:
+            torch.save(payload, buffer)
+        finally:
+            sys.setrecursionlimit(limit)
+        blob = buffer.getvalue()
+    try:
+        back = hsa_graph.io.load(bytes_io.BytesIO(blob))
+    except ValueError as error:
+        refuse(error)
+    # accepted: exactly the saved tree (a harmless flip), or a consistent valid one
+    check_tree(back)
+    assert back.validate()
+
+
+_GENUINE_STATE: Dict[str, Any] = {}
+
+
+def _genuine_checkpoint() -> Dict[str, Any]:
+    """A real ``last.pt`` state of a one-epoch :func:`fit` (made once per process)."""
+    if not _GENUINE_STATE:
+        import tempfile
+
+        from torch_geometric.nn import global_mean_pool
+
+        from hsa_graph.experiments.train import TrainConfig, fit, load_checkpoint
+
+        class MeanClassifier(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(2, 2)
+
+            def forward(self, batch):
+                leaves = batch.leaf_index
+                return self.linear(global_mean_pool(batch.x, batch.batch[leaves]))
+
+        trees = []
+        for i in range(8):
+            tree = NestedSignal.from_nested([torch.tensor([float(i % 2), 1.0])] * 2)
+            tree.y = torch.tensor([i % 2])
+            trees.append(tree)
+        with tempfile.TemporaryDirectory() as folder:
+            fit(MeanClassifier(), trees[:6], trees[6:],
+                TrainConfig(epochs=2, batch_size=2, checkpoint_dir=folder))
+            _GENUINE_STATE.update(load_checkpoint(f"{folder}/last.pt"))
+    return _GENUINE_STATE
+
+
+def checkpoint_edits():
+    """Edits of a real last.pt by hand: keys dropped, values replaced by negative,
+    boolean, float, huge, deep or wrongly typed ones, history and RNG states damaged."""
+    key = st.sampled_from(["epoch", "model", "optimizer", "history", "best_epoch", "best",
+                           "best_model", "rng", "config"])
+    value = st.one_of(st.integers(-5, 5), st.integers(-2**70, 2**70), st.booleans(),
+                      st.floats(allow_nan=True), st.none(), st.text(max_size=4),
+                      st.lists(st.integers(-3, 3), max_size=3),
+                      st.integers(1, 2_000).map(_deep_list),
+                      st.just({"epoch": 1}), st.just(torch.zeros(3, dtype=torch.uint8)))
+    edit = st.one_of(st.tuples(st.just("drop"), key, st.none()),
+                     st.tuples(st.just("set"), key, value),
+                     st.tuples(st.just("history"), st.integers(0, 3), value),
+                     st.tuples(st.just("rng"), st.sampled_from(["torch", "python", "cuda"]),
+                               value))
+    return st.lists(edit, min_size=1, max_size=3)
+
+
+def run_checkpoint_edit(edits) -> None:
+    import copy
+    from pathlib import Path
+
+    from hsa_graph.experiments.train import TrainConfig, _check_resume_state, _set_rng_state
+    state = copy.deepcopy(_genuine_checkpoint())
+    for kind, key, value in edits:
+        if kind == "drop":
+            state.pop(key, None)
+        elif kind == "set":
+            state[key] = value
+        elif kind == "history" and isinstance(state.get("history"), list) and state["history"]:
+            entry = state["history"][key % len(state["history"])]
+            if isinstance(entry, dict):
+                entry["epoch" if key % 2 else "val_loss"] = value
+        elif kind == "rng" and isinstance(state.get("rng"), list) and state["rng"]:
+            if isinstance(state["rng"][0], dict):
+                state["rng"][0][key] = value
+    config = TrainConfig(epochs=4, batch_size=2)
+    try:
+        _check_resume_state(state, Path("last.pt"), config)
+    except ValueError as error:
+        refuse(error)
+    # accepted: a state fit can really resume from
+    assert 1 <= state["epoch"] and len(state["history"]) == state["epoch"]
+    assert 1 <= state["best_epoch"] <= state["epoch"]
+    before = torch.get_rng_state()
+    try:
+        _set_rng_state(state["rng"][0])
+    finally:
+        torch.set_rng_state(before)
+
+
+class Target(NamedTuple):
+    """A fuzz target: ``strategy()`` draws cases, ``run(case)`` checks one, and
+    ``size(case)`` is what benchmarks/fuzz.py scales its per-case time and memory
+    budgets with (so super-linear behaviour fails)."""
+
+    strategy: Callable[[], Any]
+    run: Callable[[Any], None]
+    size: Callable[[Any], int] = case_size
+
+
+TARGETS: Dict[str, Target] = {name: Target(*spec) for name, spec in {
     "from_parents+hsa": (hostile_parents, run_parents),
     "from_nested": (nested_data, run_nested),
     "from_networkx": (random_digraphs, run_networkx),
@@ -414,4 +714,8 @@ TARGETS: Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "hopping_windows": (windows, run_windows),
     "document_tree": (documents, run_document),
     "io": (io_trees, run_io),
-}
+    "deep_nesting": (deep_nestings, run_deep_nesting),
+    "normalising_tokenizer": (normalising_tokenizers, run_normalising),
+    "hostile_files": (hostile_files, run_hostile_file),
+    "checkpoint_edits": (checkpoint_edits, run_checkpoint_edit),
+}.items()}

@@ -25,7 +25,7 @@ CI_EXAMPLES = 25
 
 
 def make_test(name):
-    strategy, run = TARGETS[name]
+    strategy, run = TARGETS[name].strategy, TARGETS[name].run
 
     @settings(max_examples=CI_EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from network_data import pang_lee_sentences as load_pang_lee_sentences
 from torch_geometric.data import Batch
 from torch_geometric.loader import DataLoader
 
 from hsa_graph import NestedSignal, Node, hsa
 from hsa_graph.builders.text import WordTokenizer, text_trees
-from hsa_graph.datasets import load_pang_lee_sentences
 from hsa_graph.nn import (
     HierarchicalTransformerEncoder,
     HierarchicalTransformerEncoderLayer,

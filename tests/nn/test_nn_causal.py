@@ -15,7 +15,7 @@ from hsa_graph.ops.cache import HSACache
 @pytest.fixture(scope="module")
 def review_tree():
     """The first Pang & Lee review: review -> lines -> words -> characters."""
-    from hsa_graph.datasets.pang_lee import load_pang_lee_reviews
+    from network_data import pang_lee_reviews as load_pang_lee_reviews
     text = load_pang_lee_reviews()[0][0][:600]
     vocab = {c: i for i, c in enumerate(sorted(set(text)))}
     tree = hsa_graph.text_tree(text.replace("\n", "\n\n"),

@@ -12,7 +12,7 @@ def minilm():
 
 @pytest.fixture(scope="session")
 def sentences():
-    from hsa_graph.datasets import load_pang_lee_sentences
+    from network_data import pang_lee_sentences as load_pang_lee_sentences
     data = load_pang_lee_sentences()
     # short and long ones, both labels: a padded batch with real length spread
     picked = [data[i][0] for i in (0, 1, 2, 2000, 2001, 2002)]

@@ -168,3 +168,25 @@ def test_errors(minilm, sentences):
         with pytest.raises(ValueError, match="1 trees but the batch has 2"):
             _run(model, batch, hsa_hierarchy=wrong)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_deleted_patched_model_is_freed_without_unpatch():
+    """The registry and the patch hold the model and its configs weakly: a patched
+    model dropped without unpatch() is collected, and its entry goes with it."""
+    import gc
+    import weakref
+
+    from hsa_graph.pretrained import load_minilm
+    from hsa_graph.pretrained.patch import _PATCHES
+    model, _ = load_minilm()
+    patch = patch_hsa(model, hierarchy=())
+    alive, before = weakref.ref(model), len(_PATCHES)
+    assert before >= 1 and patch.model is model
+    del model
+    gc.collect()
+    assert alive() is None
+    assert len(_PATCHES) < before
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        _ = patch.model
+    patch.unpatch()      # harmless once the model is gone
+    assert "deleted model" in repr(patch)
