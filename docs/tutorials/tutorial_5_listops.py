@@ -118,7 +118,9 @@ fig = draw_tree(tree, labels=labels, title=expression)
 # ---------------------
 # A model embeds the token ids; here a random embedding and random projections stand
 # in for a trained layer. Every leaf attends within its family at full resolution and
-# to the other subtrees of its ancestors' families through one summary each.
+# to the other subtrees of its ancestors' families through one summary each, so HSA's
+# matrix (left, :func:`~hsa_graph.viz.plot_attention`) is constant on the blocks of
+# those subtrees, where flat attention (right) weighs every token on its own.
 torch.manual_seed(0)
 channels, heads, dim = 16, 2, 8
 embedding = torch.randn(len(VOCAB), channels)

@@ -72,7 +72,8 @@ __all__ = [
 
 #: The four operators, in the order of their token ids (10 + index).
 OPERATORS = ("MAX", "MIN", "MED", "SM")
-#: Token ids: the digits 0-9 are ids 0-9, ``[MAX [MIN [MED [SM`` are 10-13 and ``]`` 14.
+#: The token of each id, ``VOCAB[i]``. The digits 0-9 are ids 0-9, ``[MAX [MIN [MED
+#: [SM`` are 10-13 and ``]`` is 14.
 VOCAB = tuple(str(d) for d in range(10)) + tuple("[" + op for op in OPERATORS) + ("]",)
 CLOSE = 14
 _OPEN_PAREN, _CLOSE_PAREN, _UNKNOWN = 15, 16, -1
@@ -121,7 +122,8 @@ class ListOpsParse(NamedTuple):
 
     @property
     def depth(self) -> int:
-        """Nesting depth: operators on the longest root-to-digit path (0 for a digit)."""
+        """The nesting depth, the number of operators on the longest root-to-digit path
+        (0 for a lone digit)."""
         is_op = (self.tokens >= 10) & (self.tokens < CLOSE)
         return int(self.level[is_op].max()) + 1 if is_op.any() else 0
 
