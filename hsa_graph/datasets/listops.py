@@ -133,7 +133,7 @@ def listops_token_ids(expression: str) -> np.ndarray:
     :func:`parse_listops` does).
 
     Example:
-        >>> listops_token_ids("( ( [MAX 2 ) 9 ) ] )").tolist()
+        >>> listops_token_ids("( ( ( [MAX 2 ) 9 ) ] )").tolist()
         [10, 2, 9, 14]
     """
     return parse_listops(expression).tokens
@@ -260,7 +260,7 @@ def evaluate_listops(expression: str) -> int:
     """The exact value (0-9) of a ListOps expression (see :func:`parse_listops`).
 
     Example:
-        >>> evaluate_listops("[SM 5 [MED 1 2 ] 7 ]"), evaluate_listops("( ( [MED 1 ) 2 ) ] )")
+        >>> evaluate_listops("[SM 5 [MED 1 2 ] 7 ]"), evaluate_listops("( ( ( [MED 1 ) 2 ) ] )")
         (3, 1)
     """
     return parse_listops(expression).value
