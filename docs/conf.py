@@ -22,6 +22,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(DOCS))      # gallery_scrapers (by name: the config stays picklable)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")       # the packaged MiniLM: never ask the hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -77,7 +78,8 @@ sphinx_gallery_conf = {
     "write_computation_times": False,
     "remove_config_comments": True,
     "within_subsection_order": "FileNameSortKey",
-    "image_scrapers": ("matplotlib",),
+    # hsa_graph.viz builds figures without pyplot: docs/gallery_scrapers.py shows them
+    "image_scrapers": ("matplotlib", "gallery_scrapers.viz_figures"),
     "reset_modules": ("matplotlib",),
 }
 
@@ -154,5 +156,110 @@ def _check_api(app, env) -> None:
                     f"public name {module}.{name} is missing from the API reference")
 
 
+def _home_index() -> dict:
+    """Each documented object -> its entry (``module.name``): callables by where they
+    are defined, constants by identity and name."""
+    index = {}
+    for module, names in api_homes().items():
+        for attr in names:
+            index[_object_key(getattr(importlib.import_module(module), attr), attr)] = \
+                f"{module}.{attr}"
+    return index
+
+
+def _object_key(obj, attr: str):
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return ("callable", getattr(obj, "__module__", None), obj.__qualname__)
+    return ("constant", id(obj), attr)
+
+
+def _object_at(path: str):
+    """The object at a dotted path under an imported module, or ``None``."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        obj = sys.modules.get(".".join(parts[:cut]))
+        if obj is None:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part, None)
+        return obj
+    return None
+
+
+def _find_home(path: str, index: dict):
+    """``hsa_graph.a.b.Name.member`` -> the entry of ``Name`` (plus ``.member``)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj = getattr(module, parts[cut], None)
+        if obj is None or isinstance(obj, type(sys)):
+            return None
+        home = index.get(_object_key(obj, parts[cut]))
+        if home is None or _object_at(path) is None:
+            return None
+        return ".".join([home, *parts[cut + 1:]])
+    return None
+
+
+def _defining_modules(node) -> list:
+    """The modules defining what the docstring holding ``node`` documents (the page
+    may document it under a re-exporting package, where its short names mean nothing)."""
+    from sphinx.util.nodes import get_node_source
+
+    found = []
+    documented = []
+    if node.get("py:module") and node.get("py:class"):
+        documented.append(f"{node['py:module']}.{node['py:class']}")
+    try:
+        source = get_node_source(node) or ""
+    except Exception:  # noqa: BLE001 - a node without a source: nothing to add
+        source = ""
+    if ":docstring of " in source:
+        documented.append(source.split(":docstring of ", 1)[1])
+    for path in documented:
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):
+            obj = _object_at(".".join(parts[:cut]))
+            name = obj.__name__ if isinstance(obj, type(sys)) else getattr(obj, "__module__",
+                                                                           None)
+            if isinstance(name, str) and name.startswith("hsa_graph"):
+                found.append(name)
+                break
+    return found
+
+
+def _resolve_moved(app, env, node, contnode):
+    """Resolve a reference to a public name by the path of its defining module, or by
+    a short name in a docstring shown under a re-exporting package: both lead to the
+    one entry of the object (under its highest exporting package)."""
+    if node.get("refdomain") != "py":
+        return None
+    from sphinx.util.nodes import make_refnode
+
+    if not hasattr(env, "_hsa_graph_homes"):
+        env._hsa_graph_homes = _home_index()
+    target = node["reftarget"].lstrip(".~")
+    contexts = [""]
+    if node.get("py:module"):
+        contexts.append(node["py:module"] + ".")
+        if node.get("py:class"):
+            contexts.append(f"{node['py:module']}.{node['py:class']}.")
+    contexts += [module + "." for module in _defining_modules(node)]
+    objects = env.get_domain("py").objects
+    for context in contexts:
+        full = context + target
+        if not full.startswith("hsa_graph."):
+            continue
+        home = _find_home(full, env._hsa_graph_homes)
+        if home is not None and home in objects:
+            entry = objects[home]
+            return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id,
+                                contnode, home)
+    return None
+
+
 def setup(app):
     app.connect("env-check-consistency", _check_api)
+    app.connect("missing-reference", _resolve_moved)

@@ -12,5 +12,7 @@ import torch
 
 __all__ = ["WITH_CPU_FLASH_ATTENTION"]
 
+#: Whether this PyTorch has the fused CPU attention kernel that also returns the
+#: log-sum-exp (``aten::_scaled_dot_product_flash_attention_for_cpu``).
 WITH_CPU_FLASH_ATTENTION: bool = hasattr(torch.ops.aten,
                                          "_scaled_dot_product_flash_attention_for_cpu")

@@ -45,6 +45,8 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
     assert namespace["text"].tokens[:4] == ["It", "rained", ".", "We"]
     assert namespace["article"].x.shape[1] == 32
     assert (tmp_path / "tree.png").is_file() and (tmp_path / "attention.png").is_file()
+    assert len(namespace["rows"]) == 4                                # ListOps
+    assert namespace["parse_tree"].x.numel() == 7 and namespace["parse_tree"].y.tolist() == [9]
 
 
 def _command_lines():

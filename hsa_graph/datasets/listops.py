@@ -72,7 +72,8 @@ __all__ = [
 
 #: The four operators, in the order of their token ids (10 + index).
 OPERATORS = ("MAX", "MIN", "MED", "SM")
-#: Token ids: the digits 0-9 are ids 0-9, ``[MAX [MIN [MED [SM`` are 10-13 and ``]`` 14.
+#: The token of each id, ``VOCAB[i]``. The digits 0-9 are ids 0-9, ``[MAX [MIN [MED
+#: [SM`` are 10-13 and ``]`` is 14.
 VOCAB = tuple(str(d) for d in range(10)) + tuple("[" + op for op in OPERATORS) + ("]",)
 CLOSE = 14
 _OPEN_PAREN, _CLOSE_PAREN, _UNKNOWN = 15, 16, -1
@@ -121,7 +122,8 @@ class ListOpsParse(NamedTuple):
 
     @property
     def depth(self) -> int:
-        """Nesting depth: operators on the longest root-to-digit path (0 for a digit)."""
+        """The nesting depth, the number of operators on the longest root-to-digit path
+        (0 for a lone digit)."""
         is_op = (self.tokens >= 10) & (self.tokens < CLOSE)
         return int(self.level[is_op].max()) + 1 if is_op.any() else 0
 
@@ -131,7 +133,7 @@ def listops_token_ids(expression: str) -> np.ndarray:
     :func:`parse_listops` does).
 
     Example:
-        >>> listops_token_ids("( ( [MAX 2 ) 9 ) ] )").tolist()
+        >>> listops_token_ids("( ( ( [MAX 2 ) 9 ) ] )").tolist()
         [10, 2, 9, 14]
     """
     return parse_listops(expression).tokens
@@ -258,7 +260,7 @@ def evaluate_listops(expression: str) -> int:
     """The exact value (0-9) of a ListOps expression (see :func:`parse_listops`).
 
     Example:
-        >>> evaluate_listops("[SM 5 [MED 1 2 ] 7 ]"), evaluate_listops("( ( [MED 1 ) 2 ) ] )")
+        >>> evaluate_listops("[SM 5 [MED 1 2 ] 7 ]"), evaluate_listops("( ( ( [MED 1 ) 2 ) ] )")
         (3, 1)
     """
     return parse_listops(expression).value

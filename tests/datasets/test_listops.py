@@ -219,3 +219,12 @@ def test_hostile_inputs():
     assert time.perf_counter() - start < 5
     with pytest.raises(ValueError, match="unknown token"):
         parse_listops("[MAX " + "x" * 1_000_000 + " ]")
+
+
+def test_the_datasets_package_exports_every_public_name():
+    import hsa_graph.datasets as datasets
+    from hsa_graph.datasets import listops
+
+    for name in listops.__all__:
+        assert name in datasets.__all__, name
+        assert getattr(datasets, name) is getattr(listops, name), name

@@ -126,3 +126,16 @@ def test_h_transformer_on_short_sequences():
     model = build_model("h-transformer-1d", channels=16, heads=2, layers=2,
                         hidden_channels=16, max_length=20)
     assert model(batch).shape == (3, 10)        # 20 tokens < four blocks of 16: padded
+
+
+def test_the_experiments_package_exports_the_listops_entry_points():
+    import hsa_graph.experiments as experiments
+    from hsa_graph.experiments import listops
+
+    exported = {"ListOpsClassifier", "ListOpsConfig", "HTransformerClassifier",
+                "estimate_epoch_seconds", "evaluate_checkpoint", "run_listops"}
+    assert exported <= set(experiments.__all__)
+    for name in exported:
+        assert getattr(experiments, name) is getattr(listops, name), name
+    # the command-line hooks stay with their module: every experiment module has a `run`
+    assert not {"run", "add_arguments", "VARIANTS"} & set(experiments.__all__)
