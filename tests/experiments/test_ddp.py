@@ -21,6 +21,12 @@ CONFIG = dict(epochs=EPOCHS, batch_size=BATCH, lr=0.01, weight_decay=0.01, seed=
 
 
 def _data():
+    # the torchrun workers run this file as a script: the tests' helper modules
+    # (tests/network_data.py, tests/experiments/test_train.py) are not on their path
+    here = Path(__file__).resolve().parent
+    for folder in (str(here), str(here.parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     from test_train import sentence_trees
 
     trees = sentence_trees(N_TRAIN + N_VAL)

@@ -694,6 +694,99 @@ def run_checkpoint_edit(edits) -> None:
         torch.set_rng_state(before)
 
 
+# ------------------------------------------------- issue 17: every op on any input
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TOLERANCE = {torch.float16: 3e-2, torch.bfloat16: 1e-1, torch.float32: 1e-4,
+              torch.float64: 1e-9}
+_LAYOUTS = ("contiguous", "step", "transposed-last", "transposed-rows", "expand-features",
+            "expand-heads", "expand-rows")
+
+
+def _layout(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """The values of ``t`` (constant along the expanded axis, for expands) with other
+    strides."""
+    if kind == "step":
+        return torch.stack([t, torch.full_like(t, 5.0)], -1)[..., 0]
+    if kind == "transposed-last" and t.dim() >= 2:
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "transposed-rows" and t.dim() >= 2:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    if kind == "expand-features" and t.shape[-1]:
+        return t[..., :1].expand(t.shape)
+    if kind == "expand-heads" and t.dim() == 3 and t.shape[1]:
+        return t[:, :1].expand(t.shape)
+    if kind == "expand-rows" and t.shape[0]:
+        return t[:1].expand(t.shape)
+    return t
+
+
+def op_inputs():
+    """A small tree, an op, head and feature sizes 0..5, a dtype, a stride layout per
+    tensor, and now and then a mixed dtype or a wrong row count."""
+    return st.tuples(
+        parent_arrays(14), st.sampled_from(("hsa", "hsa-no-self", "hsa_weights", "causal_hsa",
+                                             "cross_hsa", "cache")),
+        st.integers(0, 3), st.integers(0, 5), st.integers(0, 4),
+        st.sampled_from(_DTYPES), st.lists(st.sampled_from(_LAYOUTS), min_size=3, max_size=3),
+        st.sampled_from(("none", "none", "none", "none", "dtype", "rows", "head-axis")),
+        st.integers(0, 2 ** 16))
+
+
+def _op(name: str, tree: NestedSignal):
+    if name == "hsa":
+        return lambda q, k, v: hsa(q, k, v, tree)
+    if name == "hsa-no-self":
+        return lambda q, k, v: hsa(q, k, v, tree, include_self=False)
+    if name == "hsa_weights":
+        return lambda q, k, v: hsa_graph.hsa_weights(q, k, tree)
+    if name == "causal_hsa":
+        return lambda q, k, v: hsa_graph.causal_hsa(q, k, v, tree)
+    if name == "cross_hsa":
+        anchor = torch.arange(tree.num_nodes) % tree.num_nodes
+        return lambda q, k, v: hsa_graph.cross_hsa(q, k, v, tree, anchor=anchor[:q.shape[0]])
+
+    def cache(q, k, v):
+        moves = hsa_graph.HSACache.moves_of(tree)
+        c = hsa_graph.HSACache()
+        return torch.stack([c.append(q[i], k[i], v[i], **moves[i]) for i in range(q.shape[0])])
+    return cache
+
+
+def run_op_inputs(case) -> None:
+    parent, name, heads, d, dv, dtype, layouts, twist, seed = case
+    if forest_problem(parent):
+        return
+    tree = NestedSignal.from_parents(parent)
+    n = tree.num_leaves
+    if name in ("cache", "cross_hsa") and tree.structure.num_trees != 1:
+        return
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(n, heads, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(n, heads, dv, generator=g, dtype=torch.float64)
+    if name == "cross_hsa":
+        q = q[: min(n, 3)]
+    q, k, v = (_layout(t.to(dtype), kind) for t, kind in zip((q, k, v), layouts))
+    if twist == "dtype":
+        k = k.double() if dtype != torch.float64 else k.float()
+    elif twist == "rows" and name != "cache":   # the cache takes one token at a time
+        k = k[:-1]
+    elif twist == "head-axis" and heads == 1:
+        q = q[:, 0]
+    else:
+        twist = "none"
+    op = _op(name, tree)
+    got = call(op, q, k, v)
+    assert twist == "none", f"{twist} was not refused"
+    want = op(*(t.contiguous().double() for t in (q, k, v)))
+    assert got.dtype == dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    tol = _TOLERANCE[dtype] * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+    err = float((got.double() - want).abs().max()) if want.numel() else 0.0
+    assert err <= tol, f"{name} {dtype} {layouts}: off by {err}"
+    if name == "hsa" and heads and d and dv:
+        ref = dense_hsa(parent, *(t.contiguous().double() for t in (q, k, v)))
+        torch.testing.assert_close(want, ref, rtol=1e-7, atol=1e-9)
+
+
 class Target(NamedTuple):
     """A fuzz target: ``strategy()`` draws cases, ``run(case)`` checks one, and
     ``size(case)`` is what benchmarks/fuzz.py scales its per-case time and memory
@@ -718,4 +811,5 @@ TARGETS: Dict[str, Target] = {name: Target(*spec) for name, spec in {
     "normalising_tokenizer": (normalising_tokenizers, run_normalising),
     "hostile_files": (hostile_files, run_hostile_file),
     "checkpoint_edits": (checkpoint_edits, run_checkpoint_edit),
+    "op_inputs": (op_inputs, run_op_inputs),
 }.items()}
