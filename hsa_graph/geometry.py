@@ -336,8 +336,9 @@ class FieldNameEmbedding(Module):
 
 # ----------------------------------------------------------------- family graphs
 def _families(family: Tensor):
-    """Families as contiguous ids ``fam [n]``, each node's slot in its family (node
-    order), the family sizes ``[F]`` and the nodes sorted by family."""
+    """Graphs of any integer labels ``family [n]`` as contiguous ids ``fam [n]``, each
+    node's slot in its graph (node order), the sizes ``[F]`` and the nodes sorted by
+    graph (the encodings take any labelled graphs, not only a tree's families)."""
     _, fam = torch.unique(family, return_inverse=True)
     order = torch.sort(fam, stable=True).indices
     sizes = torch.bincount(fam)
@@ -370,9 +371,11 @@ def _next_power_of_two(x: Tensor) -> Tensor:
     return torch.pow(2, torch.ceil(torch.log2(x.double().clamp_min(1)))).long()
 
 
-def _family_buckets(sizes: Tensor, dense_limit: int):
-    """Yield ``(b, families)``: families padded to size ``b`` (a power of two), in
-    chunks of bounded memory; ``b = None`` for families above ``dense_limit``."""
+def _eigh_batches(sizes: Tensor, dense_limit: int):
+    """Yield ``(b, families)``: graphs padded to size ``b`` (a power of two), in chunks
+    of bounded memory, for one batched dense eigendecomposition each; ``b = None`` for
+    graphs above ``dense_limit``. (Not :class:`~hsa_graph.TreeStructure`'s buckets:
+    these graphs are any labelled node sets, and ``eigh`` batches want few sizes.)"""
     padded = _next_power_of_two(sizes)
     for b in torch.unique(padded).tolist():
         fams = (padded == b).nonzero().flatten()
@@ -454,7 +457,7 @@ def laplacian_encoding(edge_index: Tensor, family: Tensor, k: int,
     fam, slot, sizes, _ = _families(family)
     lap_index, lap_weight = get_laplacian(edge_index, normalization="sym",
                                           dtype=torch.float64, num_nodes=n)
-    for b, fams in _family_buckets(sizes, dense_limit):
+    for b, fams in _eigh_batches(sizes, dense_limit):
         if b is None:
             _laplacian_sparse(edge_index, fam, slot, int(fams), k, out)
             continue
@@ -528,7 +531,7 @@ def random_walk_encoding(edge_index: Tensor, family: Tensor, walk_length: int,
     edge_index = to_undirected(edge_index, num_nodes=n)
     fam, slot, sizes, _ = _families(family)
     ones = torch.ones(edge_index.shape[1], dtype=torch.float64, device=family.device)
-    for b, fams in _family_buckets(sizes, dense_limit):
+    for b, fams in _eigh_batches(sizes, dense_limit):
         members = torch.isin(fam, fams).nonzero().flatten()
         if b is None:
             from torch_geometric.data import Data

@@ -190,8 +190,8 @@ class TreeStructure:
             ``num_internal`` (a null row) for a leaf that is a root.
         internal_parent: ``[I]`` internal row of each internal node's parent, or
             ``num_internal`` for roots.
-        leaf_size / internal_size: ``[N]`` ones / ``[I]`` leaf counts ``n(A)``
-            (float64, cast on use).
+        internal_size: ``[I]`` leaf counts ``n(A)`` (float64, cast on use); see
+            :attr:`node_size` for every node.
         depth: ``[M]`` depth of each unified node, roots at 0.
         leaf_tree: ``[N]`` tree (root rank) of each leaf.
         level_ptr: internal rows of depth ``d`` are ``level_ptr[d] : level_ptr[d+1]``.
@@ -211,7 +211,6 @@ class TreeStructure:
     unified_of_node: Tensor
     leaf_parent: Tensor
     internal_parent: Tensor
-    leaf_size: Tensor
     internal_size: Tensor
     depth: Tensor
     leaf_tree: Tensor
@@ -274,6 +273,17 @@ class TreeStructure:
         n, i = self.num_leaves, self.num_internal
         both = torch.cat([self.leaf_parent, self.internal_parent])
         return torch.where(both == i, -1, both + n)
+
+    @cached_property
+    def node_size(self) -> Tensor:
+        r"""``[M]`` leaf count :math:`n(\cdot)` of every unified node (1 for a leaf),
+        float64; ``node_size.log()`` is the ``log n`` of the sibling logits."""
+        return torch.cat([self.internal_size.new_ones(self.num_leaves), self.internal_size])
+
+    @property
+    def leaf_size(self) -> Tensor:
+        """``[N]`` ones: a leaf counts one leaf (the leaf rows of :attr:`node_size`)."""
+        return self.node_size[:self.num_leaves]
 
     @cached_property
     def leaf_ranges(self) -> Tuple[Tensor, Tensor]:
@@ -638,7 +648,6 @@ def _build(parent: Tensor) -> TreeStructure:
         num_nodes=m, num_leaves=n, num_trees=int(roots_u.numel()),
         node_of_unified=node_of_unified, unified_of_node=unified_of_node,
         leaf_parent=leaf_parent, internal_parent=internal_parent,
-        leaf_size=torch.ones(n, dtype=torch.float64, device=device),
         internal_size=internal_size, depth=depth_u, leaf_tree=leaf_tree,
         level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
         lonely_leaf=lonely_leaf,

@@ -55,7 +55,7 @@ def _layout(tree, gap: int = 1):
     depth = torch.empty(m, dtype=torch.long)
     depth[st.node_of_unified] = st.depth
     size = torch.empty(m, dtype=torch.long)
-    size[st.node_of_unified] = torch.cat([st.leaf_size, st.internal_size]).round().long()
+    size[st.node_of_unified] = st.node_size.round().long()
 
     # Exclusive sum of the sizes of earlier siblings (earlier trees, for roots).
     node = torch.arange(m)

@@ -30,13 +30,48 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .causal import combine_spine, member_terms, spine_step
-from .hsa import _logaddexp
+from .hsa import _log_ratio, _logaddexp
 from .inputs import check_scale, check_tensors, compute_dtype, resolve_structure
 
 __all__ = ["HSACache"]
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SpineNode:
+    r"""The new token's spine node at one depth, as far as it goes: the sums of ``q``,
+    ``k``, ``v`` over its leaves so far ``[H, D]`` / ``[H, Dv]``, their count
+    :math:`n_i(S)` and :math:`\lambda_i(S)` ``[H]``."""
+
+    sums: Tuple[Tensor, Tensor, Tensor]
+    count: float
+    lam: Tensor
+
+
+@dataclass(frozen=True)
+class LeftSiblings:
+    r"""What the completed left siblings :math:`C` of a spine node :math:`S` contribute
+    (see :func:`left_siblings`): :math:`\eta_i(S)` ``[H]``, :math:`\bar\theta_i(S)`
+    ``[H, Dv]``, ``total`` :math:`= \sum_C n(C)\,\mathrm{logaddexp}(\lambda(C),
+    \eta_i(C))` ``[H]``, and their sums of ``q``, ``k``, ``v`` and leaf count."""
+
+    eta: Tensor
+    theta_bar: Tensor
+    total: Tensor
+    sums: Tuple[Tensor, Tensor, Tensor]
+    count: float
+
+
+@dataclass(frozen=True)
+class SpineStep:
+    r"""One step up the spine: the parent :class:`SpineNode` :math:`A`, and
+    :math:`\log\mu_i(S)` ``[H]`` and :math:`\bar\theta_i(S)` ``[H, Dv]`` of the child
+    for the top-down sum."""
+
+    parent: SpineNode
+    log_mu: Tensor
+    theta_bar: Tensor
 
 
 @dataclass
@@ -51,7 +86,7 @@ class _Level:
     fixed: Optional[Tensor] = None     # [b, H] F(C) over the other completed children
     left: Optional[Tuple[Tensor, Tensor, Tensor]] = None   # sums over completed children
     left_cnt: float = 0.0
-    child: Optional[tuple] = None      # (sums, count, lam) of the open child
+    child: Optional[SpineNode] = None  # the open child (the new token's spine node)
     node: int = -1                     # node index (in :attr:`HSACache.parent`) of the parent
 
     @property
@@ -171,7 +206,7 @@ class HSACache:
 
     def _push(self, level: _Level, scale: float) -> None:
         """Close the open child of ``level``: it joins the completed children."""
-        (sq, sk, sv), cnt, lam = level.child
+        (sq, sk, sv), cnt, lam = level.child.sums, level.child.count, level.child.lam
         rq, rk, rv = sq / cnt, sk / cnt, sv / cnt
         logn = sq.new_full((1,), math.log(cnt))
         if level.size == 0:
@@ -244,28 +279,70 @@ class HSACache:
 
         h = q.shape[0]
         lam = ((q * k).sum(-1) * scale if self.include_self else q.new_full((h,), NEG_INF))
-        state = ((q[None], k[None], v[None]), q.new_ones(1), lam[None])
-        log_mu = [q.new_zeros(1, h) for _ in range(depth + 1)]
-        bars = [v.new_zeros(1, *v.shape) for _ in range(depth + 1)]
-        for e in range(depth, 0, -1):
+        node = SpineNode(sums=(q, k, v), count=1.0, lam=lam)
+        steps: List[SpineStep] = []
+        for e in range(depth, 0, -1):                      # bottom-up, leaf to root
             level = self.levels[e - 1]
-            s_sum, s_cnt, s_lam = state
-            level.child = (tuple(t[0] for t in s_sum), float(s_cnt[0]), s_lam[0])
-            terms = None
-            if level.size:
-                (sq, sk, _), cnt = s_sum, s_cnt
-                eta, bar, total = member_terms(
-                    (sq / cnt)[:, :, None], (sk / cnt)[:, :, None], cnt.log()[None, None],
-                    level.rq.transpose(0, 1)[None], level.rk.transpose(0, 1)[None],
-                    level.rv.transpose(0, 1)[None], level.logn[None, None, None],
-                    level.lam.t()[None, :, None], level.fixed.t()[None, :, None],
-                    torch.ones(1, 1, 1, level.size, dtype=torch.bool, device=q.device), scale)
-                terms = dict(eta=eta[..., 0], theta_bar=bar[:, :, 0], total=total[..., 0],
-                             left=tuple(t[None] for t in level.left),
-                             left_cnt=s_cnt.new_full((1,), level.left_cnt))
-            a_sum, a_cnt, a_lam, log_mu[e], bars[e] = spine_step(s_sum, s_cnt, s_lam, terms)
-            state = (a_sum, a_cnt, a_lam)
-        y = combine_spine(torch.stack(log_mu, 1), torch.stack(bars, 1),
-                          v[None] if self.include_self else None,
-                          torch.full((1,), depth, dtype=torch.long, device=q.device))
-        return y[0].to(self.token_spec[2])   # back to the tokens' dtype
+            level.child = node
+            step = spine_step(node, left_siblings(level, node, scale) if level.size else None)
+            steps.append(step)
+            node = step.parent
+        # top-down: y = sum over the spine of m(above) (1 - mu) theta_bar, plus m(i) v_i
+        y = torch.zeros_like(v)
+        log_m = torch.zeros_like(lam)
+        for step in reversed(steps):
+            y = y + (log_m.exp() * -torch.expm1(step.log_mu)).unsqueeze(-1) * step.theta_bar
+            log_m = log_m + step.log_mu
+        if self.include_self:
+            y = y + log_m.exp().unsqueeze(-1) * v
+        return y.to(self.token_spec[2])   # back to the tokens' dtype
+
+
+def left_siblings(level: _Level, node: SpineNode, scale: float) -> LeftSiblings:
+    r"""What the completed children :math:`C` of ``level`` contribute to the open child
+    :math:`S` (= ``node``):
+
+    .. math::
+        z(S_i, C) = s \langle r_q(S_i), r_k(C)\rangle + \log n(C), \quad
+        \eta_i(S) = \mathrm{logsumexp}_C\, z(S_i, C), \quad
+        \bar\theta_i(S) = \mathrm{softmax}_C(z(S_i, \cdot))\, r_v,\\
+        \eta_i(C) = \mathrm{logaddexp}\big(F(C),\ s\langle r_q(C), r_k(S_i)\rangle
+            + \log n_i(S)\big), \quad
+        \mathrm{total} = \textstyle\sum_C n(C)\,
+            \mathrm{logaddexp}(\lambda(C), \eta_i(C)),
+
+    with :math:`r(S_i)` the means over :math:`S`'s leaves so far and :math:`F(C)` the
+    log-sum over the other completed children (``level.fixed``).
+    """
+    sq, sk, _ = node.sums
+    row = torch.einsum("hd,bhd->hb", sq / node.count, level.rk) * scale + level.logn
+    col = (torch.einsum("hd,bhd->hb", sk / node.count, level.rq) * scale
+           + math.log(node.count))
+    eta = torch.logsumexp(row, -1)
+    theta_bar = torch.einsum("hb,bhd->hd", torch.softmax(row, -1), level.rv)
+    term = _logaddexp(level.lam.t(), _logaddexp(level.fixed.t(), col))
+    total = (level.logn.exp() * term).sum(-1)
+    return LeftSiblings(eta=eta, theta_bar=theta_bar, total=total, sums=level.left,
+                        count=level.left_cnt)
+
+
+def spine_step(node: SpineNode, left: Optional[LeftSiblings]) -> SpineStep:
+    r"""From the spine child :math:`S` (``node``) to its parent :math:`A`:
+
+    .. math::
+        \lambda_i(A) = \frac{\mathrm{total} + n_i(S)\,
+            \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))}{n_i(A)}, \qquad
+        \log\mu_i(S) = \lambda_i(S) - \mathrm{logaddexp}(\lambda_i(S), \eta_i(S)),
+
+    where :math:`n_i(A) = n_i(S) +` the left siblings' count; without left siblings
+    :math:`A` is :math:`S` (unary nodes are transparent) and :math:`\mu = 1`.
+    """
+    if left is None:
+        return SpineStep(parent=node, log_mu=_log_ratio(node.lam, node.lam),
+                         theta_bar=torch.zeros_like(node.sums[2]))
+    total_s = _logaddexp(node.lam, left.eta)
+    count = left.count + node.count
+    lam = (left.total + node.count * total_s) / count
+    sums = tuple(a + b for a, b in zip(left.sums, node.sums))
+    return SpineStep(parent=SpineNode(sums=sums, count=count, lam=lam),
+                     log_mu=_log_ratio(node.lam, total_s), theta_bar=left.theta_bar)

@@ -47,10 +47,15 @@ partial: one step per depth, vectorised over all queries, computes for the spine
         \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))\Big),
 
 where :math:`F(C, p) = \log \sum_{B < p, B \ne C} n(B) e^{z(C, B)}` is one exclusive
-log-cumsum-exp per family, and the prefix sums of :math:`S_i` come from the step below.
-Work :math:`O(N \cdot \mathrm{depth} \cdot b \cdot D)` plus :math:`O(M b^2)` for the
-family tables. :class:`~hsa_graph.ops.cache.HSACache` runs the same step
-(:func:`spine_step`) for one new token.
+log-cumsum-exp per family. The step runs on the tiles of
+:attr:`TreeStructure.causal_plan <hsa_graph.TreeStructure.causal_plan>`: the queries
+under one family, cut into runs of consecutive leaf rows, share that family's members,
+so each product is one batched matmul ``[T, D] x [D, b]`` per tile. The logits of the
+partial :math:`S_i` are linear in its leaves, so they are running sums of per-leaf
+logits ``[T, b]`` within each family (restarted at :math:`S`'s first leaf), never
+per-query copies of the members. Work :math:`O(N \cdot \mathrm{depth} \cdot b \cdot D)`
+plus :math:`O(M b^2)` for the family tables. :class:`~hsa_graph.ops.cache.HSACache`
+takes the same step for one new token (:func:`~hsa_graph.ops.cache.spine_step`).
 """
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ from ..structure import CausalTiles, TreeStructure
 from .hsa import _log_ratio, _logaddexp, hsa_statistics
 from .inputs import no_autocast, prepare_attention
 
-__all__ = ["causal_hsa", "combine_spine", "member_terms", "spine_step"]
+__all__ = ["causal_hsa"]
 
 NEG_INF = float("-inf")
 _FINITE_NEG = -1e30  # stands in for -inf inside logcumsumexp, whose backward NaNs on -inf
@@ -100,90 +105,6 @@ def _masked_softmax(x: Tensor, valid: Tensor) -> Tuple[Tensor, Tensor]:
     lse = torch.logsumexp(safe, -1, keepdim=True)
     weights = torch.exp(safe - lse).masked_fill(~any_valid, 0.0)
     return lse.squeeze(-1).masked_fill(~any_valid.squeeze(-1), NEG_INF), weights
-
-
-def spine_step(s_sum: Tuple[Tensor, Tensor, Tensor], s_cnt: Tensor, s_lam: Tensor,
-               terms: Optional[dict]):
-    r"""One bottom-up step along the spine of a query: from the spine child :math:`S`
-    to its parent :math:`A` (see the module docstring).
-
-    Args:
-        s_sum: prefix sums of ``q``, ``k``, ``v`` over the leaves of :math:`S` seen so
-            far, ``[Q, H, D]`` / ``[Q, H, Dv]``.
-        s_cnt: ``[Q]`` their count :math:`n_i(S)` (floating).
-        s_lam: ``[Q, H]`` :math:`\lambda_i(S)`.
-        terms: ``None`` when :math:`S` has no (left) sibling, else what its completed
-            left siblings contribute (from :func:`member_terms` or the family tables):
-            ``eta`` :math:`\eta_i(S)` ``[Q, H]``, ``theta_bar`` ``[Q, H, Dv]``,
-            ``total`` :math:`\sum_{C<p} n(C)\,\mathrm{logaddexp}(\lambda(C),
-            \eta_i(C))` ``[Q, H]``, ``left`` (sums of ``q``, ``k``, ``v`` over them)
-            and ``left_cnt`` ``[Q]``.
-
-    Returns:
-        ``(a_sum, a_cnt, a_lam, log_mu_s, theta_bar_s)``: prefix sums, count and
-        :math:`\lambda_i(A)`; :math:`\log\mu_i(S)` ``[Q, H]`` and the sibling average
-        :math:`\bar\theta_i(S)` ``[Q, H, Dv]`` (zero without siblings).
-    """
-    sq, sk, sv = s_sum
-    if terms is None:  # an only child: A is S (unary nodes are transparent)
-        return s_sum, s_cnt, s_lam, _log_ratio(s_lam, s_lam), torch.zeros_like(sv)
-    cnt = s_cnt.to(sq.dtype)
-    total_s = _logaddexp(s_lam, terms["eta"])
-    a_cnt = terms["left_cnt"].to(sq.dtype) + cnt
-    a_lam = (terms["total"] + cnt[:, None] * total_s) / a_cnt[:, None]
-    lq, lk, lv = terms["left"]
-    log_mu = _log_ratio(s_lam, total_s)
-    return (lq + sq, lk + sk, lv + sv), a_cnt, a_lam, log_mu, terms["theta_bar"]
-
-
-def member_terms(rq_s: Tensor, rk_s: Tensor, log_cnt: Tensor, mq: Tensor, mk: Tensor,
-                 mv: Tensor, logn: Tensor, lam: Tensor, fixed: Tensor, valid: Tensor,
-                 scale: float, dots: Optional[Tensor] = None):
-    r"""What the completed left siblings :math:`C` contribute to partial spine children
-    :math:`S_i`, for families of ``b`` members and ``L`` queries each (``G`` groups):
-
-    * ``rq_s``, ``rk_s`` ``[G, H, L, D]``: prefix means of :math:`S_i`; ``log_cnt``
-      ``[G, 1, L]``: :math:`\log n_i(S)`;
-    * ``mq``, ``mk`` ``[G, H, b, D]``, ``mv`` ``[G, H, b, Dv]``, ``logn`` ``[G, 1, 1, b]``,
-      ``lam`` ``[G, H, 1, b]``: the members;
-    * ``fixed`` ``[G, H, L, b]``: :math:`F(C, p_i)`; ``valid`` ``[G, 1, L, b]``: which
-      members are left siblings of :math:`S_i`; ``dots`` ``[G, H, L, b]``: optional
-      :math:`\langle\varepsilon(S), \varepsilon(C)\rangle`.
-
-    Returns ``eta`` ``[G, H, L]``, ``theta_bar`` ``[G, H, L, Dv]`` and ``total``
-    ``[G, H, L]`` (see :func:`spine_step`). Entries outside ``valid`` are masked out of
-    every result, so only left siblings (earlier leaves) are ever read.
-    """
-    row = torch.matmul(rq_s, mk.transpose(-1, -2)) * scale + logn           # z(S_i, B) + log n(B)
-    col = torch.matmul(rk_s, mq.transpose(-1, -2)) * scale + log_cnt.unsqueeze(-1)
-    if dots is not None:
-        row, col = row + dots, col + dots
-    valid = valid.expand_as(row)
-    eta, weights = _masked_softmax(row, valid)
-    theta_bar = torch.matmul(weights, mv)
-    # col is finite everywhere (padding included), so plain logaddexp has no NaN
-    # gradient; entries outside ``valid`` are dropped by the final where
-    term = _logaddexp(lam, _logaddexp(fixed, col))
-    total = torch.where(valid, logn.exp() * term, 0.0).sum(-1)
-    return eta, theta_bar, total
-
-
-def combine_spine(log_mu: Tensor, theta_bar: Tensor, v_self: Optional[Tensor],
-                  leaf_depth: Tensor) -> Tensor:
-    r"""Top-down pass along the spines: ``log_mu`` ``[Q, L, H]`` and ``theta_bar``
-    ``[Q, L, H, Dv]`` by depth (index ``e`` for the spine node at depth ``e``; 0 and
-    unused depths hold 0), ``v_self`` ``[Q, H, Dv]`` (``None`` without self) ->
-
-    .. math:: y = \sum_e m(\text{depth } e{-}1)\,(1 - \mu_e)\,\bar\theta_e + m(i)\, v_i.
-    """
-    log_m = torch.cumsum(log_mu, 1)                                        # [Q, L, H]
-    above = torch.cat([torch.zeros_like(log_m[:, :1]), log_m[:, :-1]], 1)
-    w = above.exp() * -torch.expm1(log_mu)
-    y = (w.unsqueeze(-1) * theta_bar).sum(1)
-    if v_self is not None:
-        m_leaf = log_m.gather(1, leaf_depth.view(-1, 1, 1).expand(-1, 1, log_m.shape[2]))
-        y = y + m_leaf.squeeze(1).exp().unsqueeze(-1) * v_self
-    return y
 
 
 def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
@@ -317,8 +238,7 @@ class SpineStep:
 
 def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
                  include_self: bool, scale: float, pos: Optional[Tensor]) -> NodeTables:
-    n = st.num_leaves
-    size = torch.cat([q.new_ones(n), st.internal_size.to(q.dtype), q.new_ones(1)])
+    size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
     lam = torch.cat([_leaf_lam(st, q, k, include_self, scale, pos),
                      _internal_lam(st, stats, size)])
 

@@ -114,7 +114,7 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
     members, node_bucket, node_family = index.members, index.node_bucket, index.node_family
     rk = torch.cat([k, st.subtree_mean(k)])                       # [M + 1, H, D]
     rv = torch.cat([v, st.subtree_mean(v)])
-    size = torch.cat([q.new_ones(n), st.internal_size.to(q.dtype), q.new_ones(1)])
+    size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
     parent_u = torch.cat([st.parent_unified(), anchors.new_full((1,), -1)])
     nq, h, dv = q.shape[0], q.shape[1], v.shape[2]
 

@@ -19,7 +19,7 @@ alone costs; no tensor of size ``E x H x D`` over sibling pairs is formed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -63,25 +63,6 @@ def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
     """``log mu = lam - total``, defined as 0 where both are ``-inf`` (:ref:`def-hsa`)."""
     both = total == NEG_INF
     return (lam.masked_fill(both, 0.0) - total.masked_fill(both, 0.0))
-
-
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous. Gradients of
-    reductions arrive expanded (stride 0), and batched matmul backward on such
-    strides falls back to one small GEMM per matrix: 20x slower on CPU."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` over the bucket layout ``[F, H, ...]``, with dense gradients."""
-    return _DenseGrad.apply(torch.matmul(a, b))
 
 
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -178,23 +159,31 @@ def _self_logit(q: Tensor, k: Tensor, scale: float, pos: Optional[Tensor]) -> Te
     return own if pos is None else own + pos.pow(2).sum(-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HSAStatistics:
-    """Per-node quantities of :ref:`def-hsa` in the layout of :class:`TreeStructure`
-    (``[N, H]`` for leaves, ``[I + 1, H]`` for internal rows, null row last).
+    r"""The per-node quantities of both passes (see :ref:`def-hsa`), in the layout of
+    :class:`TreeStructure`: ``[N, H]`` for leaves, ``[I + 1, H]`` for internal rows
+    (null row last).
 
-    ``bucket_lse[i]`` (``[F, H, b]``) is the log-sum-exp of each member's row of bucket
-    ``i``: ``total`` (``logaddexp(lam, eta)``, the diagonal included) for a leaf member
-    and ``eta`` for an internal one. ``bucket_out[i]`` (``[F, H, b, Dv]``) is the
-    matching softmax times the values (leaf ``v`` / internal means ``rv``) when values
-    were given. ``log_mu_leaf`` and ``log_m_leaf`` are ``None`` when computed with
-    ``leaf_mass=False``. ``bucket_logits`` (``[F, H, b, b]``: ``z(A, B) + log n(B)``,
-    ``-inf`` on the diagonal and padding) and ``bucket_eta`` are computed on first use.
+    Attributes:
+        rq, rk: internal subtree means ``[I + 1, H, D]``; rv: ``[I + 1, H, Dv]`` when
+            values were given, else ``None``.
+        total_leaf, total_internal: :math:`\mathrm{logaddexp}(\lambda, \eta)`, the
+            log-normaliser of each node's row (a leaf's includes its own diagonal).
+        log_m_leaf, log_m_internal: :math:`\log m`, the mass reaching each node
+            (leaves: ``None`` when computed with ``leaf_mass=False``).
+        log_mu_leaf, log_mu_internal: :math:`\log \mu = \lambda - \mathrm{total}`,
+            the share a node keeps inside (leaves: ``None`` likewise).
+        bucket_lse: per bucket ``[F, H, b]``, each member row's log-sum-exp
+            (``total`` for a leaf member, :math:`\eta` for an internal one).
+        bucket_out: per bucket ``[F, H, b, Dv]``, the matching softmax times the values
+            (``None`` without values).
     """
 
-    rq: Tensor  # internal means [I + 1, H, D]
+    rq: Tensor
     rk: Tensor
-    total_leaf: Tensor  # logaddexp(lam, eta)
+    rv: Optional[Tensor]
+    total_leaf: Tensor
     total_internal: Tensor
     log_m_leaf: Optional[Tensor]
     log_m_internal: Tensor
@@ -202,43 +191,6 @@ class HSAStatistics:
     log_mu_internal: Tensor
     bucket_lse: List[Tensor]
     bucket_out: List[Optional[Tensor]]
-    rv: Optional[Tensor]
-    _logit_args: tuple = field(repr=False)
-
-    @property
-    def bucket_logits(self) -> List[Tensor]:
-        return self._sibling()[0]
-
-    @property
-    def bucket_eta(self) -> List[Tensor]:
-        return self._sibling()[1]
-
-    def _sibling(self):
-        cached = self.__dict__.get("_sibling_cache")
-        if cached is None:
-            cached = self.__dict__["_sibling_cache"] = _sibling_logits(*self._logit_args)
-        return cached
-
-
-def _sibling_logits(st: TreeStructure, q: Tensor, k: Tensor, rq: Tensor, rk: Tensor,
-                    scale: float, pos_leaf: Optional[Tensor], pos_internal: Optional[Tensor]):
-    """Per bucket, explicitly: ``z(A, B) + log n(B)`` over siblings (``-inf`` on the
-    diagonal and padding) ``[F, H, b, b]`` and ``eta(A)`` (its log-sum-exp) ``[F, H, b]``.
-    For inspection and variants; :func:`hsa` never forms these."""
-    all_logits, all_eta = [], []
-    for bucket in st.buckets:
-        fq = st.gather_bucket(bucket, q, rq).transpose(1, 2).contiguous()
-        fk = st.gather_bucket(bucket, k, rk).transpose(1, 2).contiguous()
-        logits = _bmm(fq, fk.transpose(-1, -2)) * scale            # [F, H, b, b]
-        if pos_leaf is not None:
-            fp = st.gather_bucket(bucket, pos_leaf, pos_internal).transpose(1, 2).contiguous()
-            logits = logits + _bmm(fp, fp.transpose(-1, -2))
-        bias = bucket.log_size.to(logits.dtype)[:, None, None, :]   # log n(B); -inf on padding
-        eye = torch.eye(bucket.size, dtype=torch.bool, device=logits.device)
-        logits = (logits + bias).masked_fill(eye, NEG_INF)
-        all_logits.append(logits)
-        all_eta.append(torch.logsumexp(logits, dim=-1))            # [F, H, b]
-    return all_logits, all_eta
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -314,7 +266,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
             q[lonely], k[lonely], scale, None if pos_leaf is None else pos_leaf[lonely]))
 
     # lam bottom-up: lam(A) = sum_C n(C)/n(A) * logaddexp(lam(C), eta(C)).
-    size = torch.cat([st.internal_size, st.internal_size.new_ones(1)]).to(q.dtype)
+    size = torch.cat([st.node_size[n:], st.internal_size.new_ones(1)]).to(q.dtype)
     leaf_weight = (1.0 / size)[st.leaf_parent].unsqueeze(-1)
     child_weight = (size[:-1] / size[st.internal_parent]).unsqueeze(-1)
 
@@ -334,9 +286,11 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                     else q.new_full(total_leaf.shape, NEG_INF))
         log_mu_leaf = _log_ratio(lam_leaf, total_leaf)
         log_m_leaf = log_m_internal[st.leaf_parent] + log_mu_leaf
-    return HSAStatistics(rq, rk, total_leaf, total_internal, log_m_leaf, log_m_internal,
-                         log_mu_leaf, log_mu_internal, bucket_lse, bucket_out, rv,
-                         (st, q, k, rq, rk, scale, pos_leaf, pos_internal))
+    return HSAStatistics(rq=rq, rk=rk, rv=rv, total_leaf=total_leaf,
+                         total_internal=total_internal, log_m_leaf=log_m_leaf,
+                         log_m_internal=log_m_internal, log_mu_leaf=log_mu_leaf,
+                         log_mu_internal=log_mu_internal, bucket_lse=bucket_lse,
+                         bucket_out=bucket_out)
 
 
 def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,

@@ -151,7 +151,7 @@ def block_average_weights(p: Tensor, tree) -> Tensor:
     log_m_internal = st.path_sum(torch.cat([log_mu[n:], null]))[:-1]
     log_m_leaf = torch.cat([log_m_internal, null])[st.leaf_parent] + log_mu[:n]
     log_m = torch.cat([log_m_leaf, log_m_internal]).t()                # [H, M]
-    size = torch.cat([st.leaf_size, st.internal_size]).to(p.dtype)
+    size = st.node_size.to(p.dtype)
     theta = torch.zeros_like(p)
     theta[:, pair] = (log_m[:, lca].exp() * block_sum[:, block_of]
                       / (total.t()[:, a] * size[b]))
@@ -202,7 +202,7 @@ def pooled_softmax_weights(q: Tensor, k: Tensor, tree, scale: Optional[float] = 
     node_q = torch.cat([q, st.subtree_mean(q)[:-1]]).transpose(0, 1)   # [H, M, D], unified
     node_k = torch.cat([k, st.subtree_mean(k)[:-1]]).transpose(0, 1)
     z = torch.matmul(node_q, node_k.transpose(-1, -2)) * scale          # [H, M, M]
-    log_n = torch.cat([st.leaf_size, st.internal_size]).to(q.dtype).log()
+    log_n = st.node_size.to(q.dtype).log()
     parent = st.parent_unified()
     sibling = (parent.unsqueeze(1) == parent.unsqueeze(0)) & (parent.unsqueeze(1) >= 0)
     sibling.fill_diagonal_(False)
