@@ -22,7 +22,6 @@ family.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -30,6 +29,25 @@ from torch import Tensor
 
 __all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex",
            "TreeStructure"]
+
+
+class _lazy_field:
+    """A field of the structure built on first use and then stored on the instance
+    (``functools.cached_property`` takes a lock on Python 3.11 that ``torch.compile``
+    cannot trace)."""
+
+    def __init__(self, build: Callable) -> None:
+        self.build, self.name, self.__doc__ = build, build.__name__, build.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner: Optional[type] = None):
+        if obj is None:
+            return self
+        value = self.build(obj)
+        obj.__dict__[self.name] = value   # later look-ups find the instance attribute
+        return value
 
 
 @dataclass(frozen=True)
@@ -274,7 +292,15 @@ class TreeStructure:
         both = torch.cat([self.leaf_parent, self.internal_parent])
         return torch.where(both == i, -1, both + n)
 
-    @cached_property
+    def to_unified(self, values: Tensor) -> Tensor:
+        """Rows in node index order ``[M, ...]`` (e.g. positions) -> unified order."""
+        return values.index_select(0, self.node_of_unified)
+
+    def to_node_order(self, values: Tensor) -> Tensor:
+        """Rows in unified order ``[M, ...]`` (e.g. :attr:`depth`) -> node index order."""
+        return values.index_select(0, self.unified_of_node)
+
+    @_lazy_field
     def node_size(self) -> Tensor:
         r"""``[M]`` leaf count :math:`n(\cdot)` of every unified node (1 for a leaf),
         float64; ``node_size.log()`` is the ``log n`` of the sibling logits."""
@@ -285,7 +311,7 @@ class TreeStructure:
         """``[N]`` ones: a leaf counts one leaf (the leaf rows of :attr:`node_size`)."""
         return self.node_size[:self.num_leaves]
 
-    @cached_property
+    @_lazy_field
     def leaf_ranges(self) -> Tuple[Tensor, Tensor]:
         """``[M]`` first and last leaf row under every unified node (a leaf: itself),
         built once per structure, one pass per depth."""
@@ -316,7 +342,7 @@ class TreeStructure:
                 f"{int(self.internal_size[row])} leaves spread over leaf rows "
                 f"{int(lo[row])}..{int(hi[row])}")
 
-    @cached_property
+    @_lazy_field
     def causal_plan(self) -> CausalPlan:
         """The tiles causal HSA runs on (:class:`CausalPlan`), built on first use and
         cached, so a decoder stack pays for it once per batch. Raises ``ValueError``
@@ -324,7 +350,7 @@ class TreeStructure:
         self.check_contiguous()
         return _causal_plan(self)
 
-    @cached_property
+    @_lazy_field
     def family_index(self) -> FamilyIndex:
         """Every bucket's families as unified member ids, and each node's bucket, family
         and slot position (:class:`FamilyIndex`), built once per structure."""
@@ -745,8 +771,9 @@ def _is_arange(src: Tensor, slot: Tensor) -> bool:
 
 def _causal_plan(st: TreeStructure) -> CausalPlan:
     """Build the :class:`CausalPlan` of ``st`` (leaves contiguous under every node):
-    every family of two or more members at once, grouped by (depth, padded size), with
-    one host synchronisation for the per-group integers and a loop over groups only."""
+    every family of two or more members at once, grouped by (depth, padded size); the
+    per-group integers come back in one host synchronisation, then a loop over groups
+    (a handful per depth), never over nodes. Built once per structure."""
     n, m, dev = st.num_leaves, st.num_nodes, st.device
     first, last = st.leaf_ranges
     parent_u = st.parent_unified()
@@ -801,62 +828,75 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
         mine = fam_group[fam_of_member] == g
         members = torch.full((num_fam * b,), m, dtype=torch.long, device=dev)
         members[fam_local[fam_of_member[mine]] * b + pos[mine]] = child[mine]
-        members = members.view(num_fam, b)
-        tiles_of = fam_tiles[fams]
-        tile_family = torch.repeat_interleave(
-            torch.arange(num_fam, device=dev), tiles_of, output_size=num_tiles)
-        within = torch.arange(num_tiles, device=dev) - (tiles_of.cumsum(0) - tiles_of)[tile_family]
-        row0 = fam_first[fams][tile_family] + within * t                    # [R]
-        rows = row0[:, None] + torch.arange(t, device=dev)                   # [R, T]
-        real = rows <= last[fam_ids[fams]][tile_family][:, None]
-        rows = torch.where(real, rows, row0[:, None])
-        member_first = torch.where(members < m, first[members.clamp_max(m - 1)], n + 1)
-        p = (member_first[tile_family][:, None, :] <= rows[..., None]).sum(-1) - 1
-        p = torch.where(real, p, 0)
-        spine = members[tile_family[:, None], p]
-        count = torch.where(real, rows - first[spine] + 1, 1).double()
-        count_parent = torch.where(real, rows - fam_first[fams][tile_family][:, None] + 1,
-                                   1).double()
-        # the slot of row first(S) - 1 (slots of a family are its rows, in order)
-        family_slot0 = ((tiles_of.cumsum(0) - tiles_of) * t)[tile_family][:, None]
-        before = family_slot0 + first[spine] - 1 - fam_first[fams][tile_family][:, None]
-        has_before = real & (first[spine] > fam_first[fams][tile_family][:, None])
-        flat_members = members.flatten()
-        member_rows = None
-        if bool((flat_members < m).all()) and _is_arange(flat_members, torch.arange(
-                flat_members.numel(), device=dev)):
-            member_rows = (int(flat_members[0]), int(flat_members[0]) + flat_members.numel())
-        slots_are_members = (num_tiles == num_fam and t == b and bool(
-            ((members == rows) | (members == m)).all()))
-        group = CausalTiles(
-            size=b, tile=t, members=members, tile_family=tile_family,
-            tile_first=(tiles_of.cumsum(0) - tiles_of)[tile_family],
-            slot_row=rows.flatten(), slot_index=(tile_family[:, None] * b + p).flatten(),
-            slot_pos=p.flatten(), slot_count=count.flatten(),
-            slot_count_parent=count_parent.flatten(),
-            slot_before=torch.where(has_before, before, 0).flatten(),
-            slot_has_before=has_before.flatten(),
-            rows=(lo, lo + leaves) if ordered else None, member_rows=member_rows,
-            slots_are_members=slots_are_members)
+        group, real = _tile_group(members.view(num_fam, b), first, fam_first[fams],
+                                  last[fam_ids[fams]], fam_tiles[fams], t, num_tiles,
+                                  (lo, lo + leaves) if ordered else None)
         by_depth.setdefault(depth, []).append((group, real.flatten(), leaves))
 
-    levels = []
-    for depth in sorted(by_depth, reverse=True):
-        entries = by_depth[depth]
-        groups = [group for group, _, _ in entries]
-        if len(groups) == 1 and groups[0].rows == (0, n):
-            levels.append(CausalLevel(depth, groups, None, None))
-            continue
-        slot_ids, rows, start = [], [], 0
-        for group, real, _ in entries:
-            slot_ids.append(torch.arange(start, start + real.numel(), device=dev)[real])
-            rows.append(group.slot_row[real])
-            start += real.numel()
-        rows = torch.cat(rows)
-        row_slot = torch.zeros(n, dtype=torch.long, device=dev).index_copy(
-            0, rows, torch.cat(slot_ids))
-        covered = sum(leaves for _, _, leaves in entries) == n
-        active = None if covered else torch.zeros(n, dtype=torch.bool, device=dev).index_fill(
-            0, rows, True)
-        levels.append(CausalLevel(depth, groups, row_slot, active))
+    levels = [_causal_level(depth, by_depth[depth], n, dev)
+              for depth in sorted(by_depth, reverse=True)]
     return CausalPlan(levels=levels, first_leaf=first)
+
+
+def _tile_group(members: Tensor, first: Tensor, fam_first: Tensor, fam_last: Tensor,
+                fam_tiles: Tensor, t: int, num_tiles: int,
+                rows: Optional[Tuple[int, int]]) -> Tuple[CausalTiles, Tensor]:
+    """The :class:`CausalTiles` of one group: families ``members`` ``[F, b]`` (padding
+    ``M``) whose leaf rows ``fam_first .. fam_last`` are cut into ``fam_tiles`` tiles of
+    ``t`` slots each; also ``[R * T]`` which slots hold a real row."""
+    m, dev = first.numel(), members.device
+    num_fam, b = members.shape
+    tile_start = fam_tiles.cumsum(0) - fam_tiles                          # per family
+    tile_family = torch.repeat_interleave(
+        torch.arange(num_fam, device=dev), fam_tiles, output_size=num_tiles)
+    within = torch.arange(num_tiles, device=dev) - tile_start[tile_family]
+    row0 = fam_first[tile_family] + within * t                              # [R]
+    slot_row = row0[:, None] + torch.arange(t, device=dev)                  # [R, T]
+    real = slot_row <= fam_last[tile_family][:, None]
+    slot_row = torch.where(real, slot_row, row0[:, None])  # padding reads the tile's first row
+    member_first = torch.where(members < m, first[members.clamp_max(m - 1)], m + 1)
+    p = (member_first[tile_family][:, None, :] <= slot_row[..., None]).sum(-1) - 1
+    p = torch.where(real, p, 0)
+    spine = members[tile_family[:, None], p]
+    parent_first = fam_first[tile_family][:, None]
+    count = torch.where(real, slot_row - first[spine] + 1, 1).double()
+    count_parent = torch.where(real, slot_row - parent_first + 1, 1).double()
+    # the slot of row first(S) - 1 (the slots of a family are its rows, in order)
+    before = (tile_start * t)[tile_family][:, None] + first[spine] - 1 - parent_first
+    has_before = real & (first[spine] > parent_first)
+    flat_members = members.flatten()
+    member_rows = None
+    if bool((flat_members < m).all()) and _is_arange(flat_members, torch.arange(
+            flat_members.numel(), device=dev)):
+        member_rows = (int(flat_members[0]), int(flat_members[0]) + flat_members.numel())
+    slots_are_members = (num_tiles == num_fam and t == b and bool(
+        ((members == slot_row) | (members == m)).all()))
+    group = CausalTiles(
+        size=b, tile=t, members=members, tile_family=tile_family,
+        tile_first=tile_start[tile_family], slot_row=slot_row.flatten(),
+        slot_index=(tile_family[:, None] * b + p).flatten(), slot_pos=p.flatten(),
+        slot_count=count.flatten(), slot_count_parent=count_parent.flatten(),
+        slot_before=torch.where(has_before, before, 0).flatten(),
+        slot_has_before=has_before.flatten(), rows=rows, member_rows=member_rows,
+        slots_are_members=slots_are_members)
+    return group, real.flatten()
+
+
+def _causal_level(depth: int, entries: List[Tuple[CausalTiles, Tensor, int]], n: int,
+                  dev: torch.device) -> CausalLevel:
+    """The :class:`CausalLevel` of the groups ``(tiles, real slots, rows)`` of one depth."""
+    groups = [group for group, _, _ in entries]
+    if len(groups) == 1 and groups[0].rows == (0, n):
+        return CausalLevel(depth, groups, None, None)
+    slot_ids, rows, start = [], [], 0
+    for group, real, _ in entries:
+        slot_ids.append(torch.arange(start, start + real.numel(), device=dev)[real])
+        rows.append(group.slot_row[real])
+        start += real.numel()
+    rows = torch.cat(rows)
+    row_slot = torch.zeros(n, dtype=torch.long, device=dev).index_copy(
+        0, rows, torch.cat(slot_ids))
+    covered = sum(leaves for _, _, leaves in entries) == n
+    active = None if covered else torch.zeros(n, dtype=torch.bool, device=dev).index_fill(
+        0, rows, True)
+    return CausalLevel(depth, groups, row_slot, active)

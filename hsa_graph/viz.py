@@ -52,10 +52,8 @@ def _layout(tree, gap: int = 1):
     parent = tree.parent.cpu()
     m = parent.numel()
     st = tree.structure_for("cpu")
-    depth = torch.empty(m, dtype=torch.long)
-    depth[st.node_of_unified] = st.depth
-    size = torch.empty(m, dtype=torch.long)
-    size[st.node_of_unified] = st.node_size.round().long()
+    depth = st.to_node_order(st.depth)
+    size = st.to_node_order(st.node_size).round().long()
 
     # Exclusive sum of the sizes of earlier siblings (earlier trees, for roots).
     node = torch.arange(m)

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch_geometric.data import Batch
 
-from hsa_graph import FamilyBucket, NestedSignal, TreeStructure
+from hsa_graph import NestedSignal, TreeStructure
+from hsa_graph.structure import FamilyBucket
 
 DT = torch.float64
 

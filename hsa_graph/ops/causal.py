@@ -247,7 +247,7 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
 
     node_pos = None
     if pos is not None:
-        p = pos.to(q.dtype)[st.node_of_unified]
+        p = st.to_unified(pos.to(q.dtype))
         p = p.unsqueeze(1) if p.dim() == 2 else p
         node_pos = head_major(torch.cat([p, p.new_zeros((1, *p.shape[1:]))]))
     log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
@@ -284,6 +284,18 @@ def _exclusive_logcumsumexp(z: Tensor) -> Tensor:
     run = torch.logcumsumexp(z.masked_fill(~finite, _FINITE_NEG), -1)
     run = torch.cat([run.new_full((*run.shape[:-1], 1), _FINITE_NEG), run[..., :-1]], -1)
     return run.masked_fill(run < _FINITE_NEG / 2, NEG_INF)
+
+
+def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, pos_dots: Optional[Tensor],
+                   scale: float) -> Tensor:
+    r"""``[H, F, b, b]`` :math:`z(C, B) + \log n(B)` among each family's members
+    (:math:`z = s\langle r_q(C), r_k(B)\rangle + \langle\varepsilon(C),
+    \varepsilon(B)\rangle`), ``-inf`` on the diagonal and on padding keys."""
+    z = _matmul(mq, mk.transpose(-1, -2)) * scale + log_n[:, None, :]
+    if pos_dots is not None:
+        z = z + pos_dots
+    b = z.shape[-1]
+    return z.masked_fill(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
 
 
 def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
@@ -333,14 +345,11 @@ def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
 
     mq, mk, mv = nodes.members(0, g), nodes.members(1, g), nodes.members(2, g)
     log_n, size_m = nodes.log_size[g.members], nodes.size[g.members]        # [F, b]
-    # z(C, B) + log n(B) among each family's members, and F(C, p) from it
-    z = _matmul(mq, mk.transpose(-1, -2)) * scale + log_n[:, None, :]
     pos_dots = None
     if nodes.pos is not None:
         mp = member_table(nodes.pos)
         pos_dots = torch.matmul(mp, mp.transpose(-1, -2))                  # [H', F, b, b]
-        z = z + pos_dots
-    z = z.masked_fill(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
+    z = _member_logits(mq, mk, log_n, pos_dots, scale)
     fixed = _exclusive_logcumsumexp(z).transpose(-1, -2)                    # [H, F, p, C]
     valid = torch.arange(b, device=z.device) < g.slot_pos.view(r, t, 1)    # [R, T, b]
     lam_s = slots(lam)

@@ -59,7 +59,7 @@ def _dense_weights(st, q: Tensor, k: Tensor, include_self: bool, scale: float,
     node_k = torch.cat([k, rk[:-1]]).transpose(0, 1)
     logits = torch.matmul(node_q, node_k.transpose(-1, -2)) * scale   # [H, M, M]
     if pos is not None:
-        node_pos = pos.to(dtype)[st.node_of_unified]
+        node_pos = st.to_unified(pos.to(dtype))
         node_pos = (node_pos.unsqueeze(1) if node_pos.dim() == 2 else node_pos).transpose(0, 1)
         logits = logits + torch.matmul(node_pos, node_pos.transpose(-1, -2))
     total = torch.cat([stats.total_leaf, stats.total_internal[:-1]]).transpose(0, 1)  # [H, M]

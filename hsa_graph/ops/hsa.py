@@ -227,7 +227,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         rq, rk, rv = st.subtree_means(q, k, v)
     pos_leaf = pos_internal = None
     if pos is not None:
-        pos_u = pos.to(q.dtype)[st.node_of_unified]
+        pos_u = st.to_unified(pos.to(q.dtype))
         if pos_u.dim() == 2:
             pos_u = pos_u.unsqueeze(1)
         pos_leaf = pos_u[:n]
