@@ -80,7 +80,7 @@ class CausalDecoderLayer(Module):
     r"""Pre-norm decoder block on causal :class:`~hsa_graph.nn.HSAttention`:
 
     .. math::
-        x &\leftarrow x + \mathrm{Dropout}(\mathrm{CausalHSAttention}(\mathrm{LN}(x))) \\
+        x &\leftarrow x + \mathrm{Dropout}(\mathrm{HSAttention}_{\text{causal}}(\mathrm{LN}(x))) \\
         x &\leftarrow x + \mathrm{Dropout}(\mathrm{FFN}(\mathrm{LN}(x)))
 
     :class:`~hsa_graph.nn.HSATransformerEncoderLayer` with ``causal=True``, plus
