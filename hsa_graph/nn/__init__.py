@@ -3,7 +3,13 @@ r"""Neural modules around HSA: attention layer, transformer layers, pooling.
 * :class:`HSAttention`: multi-head HSA with (per-modality) q/k/v projections,
   LayerNorm on queries and keys, per-geometry position embeddings and an output
   projection; ``attention="flat"`` / ``"none"`` give the flat self-attention and
-  DeepSet baselines on the same code path.
+  DeepSet baselines on the same code path; ``causal=True`` makes it causal HSA,
+  with :meth:`~HSAttention.new_cache` / :meth:`~HSAttention.step` for generating one
+  token at a time.
+* :class:`CausalDecoderLayer` and :class:`HierarchicalCausalLM` (a pre-norm decoder
+  block and a small language model on causal ``HSAttention``);
+  :class:`CausalHSAttention` is a compatibility alias of ``HSAttention(causal=True,
+  qk_norm=False)``.
 * :class:`HierarchicalTransformerEncoderLayer` (the paper's HTE layer),
   :class:`HSATransformerEncoderLayer` (pre-norm block) and
   :class:`HierarchicalTransformerEncoder` (a stack of either).

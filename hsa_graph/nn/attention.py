@@ -9,6 +9,8 @@ from torch import Tensor
 from torch.nn import LayerNorm, Linear, Module
 
 from ..geometry import PositionEncoder
+from ..ops.cache import HSACache
+from ..ops.causal import causal_hsa
 from ..ops.hsa import hsa
 from ..ops.inputs import compute_dtype, no_autocast
 from ..signal import flatten
@@ -71,10 +73,24 @@ class HSAttention(Module):
         y_i &= W_o\, \big\Vert_h \big[\mathrm{Dropout}(\mathrm{HSA}(q, k, v)_i)
             \;(+\, q_i \text{ with } \texttt{query\_residual})\big] + b_o
 
-    where :func:`~hsa_graph.hsa` adds :math:`\langle \varepsilon(A),
+where :func:`~hsa_graph.hsa` adds :math:`\langle \varepsilon(A),
     \varepsilon(B)\rangle` to sibling logits, :math:`\varepsilon` coming from this
     layer's own :class:`~hsa_graph.geometry.PositionEncoder` (a projection per geometry
     type, as in the paper's appendix F) when ``pos_dim`` is set.
+
+    **Causal** (``causal=True``): :math:`\mathrm{HSA}` becomes
+    :func:`~hsa_graph.causal_hsa` (same ``include_self``, ``scale`` and ``pos``): row
+    :math:`i` is row :math:`i` of HSA on the prefix tree of the leaves :math:`\le i`,
+    so output :math:`y_i` depends on leaves :math:`\le i` only (every node's leaves
+    must be a contiguous run in leaf order). With ``attention="flat"`` this is causal
+    softmax attention within each tree; ``attention="none"`` is causal already. The
+    layer then also generates one token at a time: :meth:`new_cache` and
+    :meth:`step` give, token by token, the rows of the parallel forward (to
+    rounding). Projections, ``qk_norm`` / ``v_norm``, modalities, ``query_residual``
+    and dropout act on each token alone, so :meth:`step` applies them unchanged;
+    position embeddings (``pos_dim``) are refused by :meth:`step`, since a node's
+    embedding comes from its place in the whole tree (its parent's geometry), which
+    the cache does not hold.
 
     **Dropout.** :func:`~hsa_graph.hsa` never forms the attention matrix, so there is
     no attention-*weight* dropout (zeroing entries :math:`\theta_{ij}` as
@@ -120,6 +136,7 @@ class HSAttention(Module):
         dropout: probability of zeroing attention outputs (see above).
         query_residual: add each head's (normalised) query to its attention output
             before the output projection, as in the paper's figure 4.
+        causal: causal HSA (see above): leaf :math:`i` reads leaves :math:`\le i`.
         bias: biases of the projections.
         scale: logit scale; ``1 / sqrt(D)`` by default.
 
@@ -132,6 +149,7 @@ class HSAttention(Module):
           ready tensor ``[M, P]`` / ``[M, H, P]`` over the nodes of
           :func:`attention_tree`.
         - **output:** ``[N, out_channels]``.
+        - :meth:`step` (``causal=True``): one token ``[F]`` -> ``[out_channels]``.
 
     Example:
         >>> import hsa_graph
@@ -144,6 +162,17 @@ class HSAttention(Module):
                     pos_dim=8, dropout=0.0)
         >>> attn(torch.randn(5, 16), tree).shape
         torch.Size([5, 16])
+
+        Causal, in parallel and one token at a time (``moves_of`` says where each
+        leaf of ``tree`` hangs):
+
+        >>> causal = HSAttention(16, heads=4, causal=True).double()
+        >>> x = torch.randn(5, 16, dtype=torch.float64)
+        >>> cache = causal.new_cache()
+        >>> steps = [causal.step(x[i], cache, **move)
+        ...          for i, move in enumerate(hsa_graph.HSACache.moves_of(tree))]
+        >>> bool(torch.allclose(torch.stack(steps), causal(x, tree)))
+        True
     """
 
     def __init__(self, in_channels: int, heads: int = 1, head_channels: Optional[int] = None,
@@ -152,7 +181,7 @@ class HSAttention(Module):
                  pos_kwargs: Optional[Dict[str, Any]] = None, include_self: bool = True,
                  attention: str = "hierarchical", dropout: float = 0.0,
                  query_residual: bool = False, bias: bool = True,
-                 scale: Optional[float] = None):
+                 scale: Optional[float] = None, causal: bool = False):
         super().__init__()
         _positive("in_channels", in_channels)
         _positive("heads", heads)
@@ -174,6 +203,8 @@ class HSAttention(Module):
             raise ValueError("pos_kwargs given without pos_dim")
         if scale is not None and not scale > 0:
             raise ValueError(f"scale must be positive, got {scale}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
 
         self.in_channels, self.out_channels = in_channels, out_channels
         self.heads, self.head_channels = heads, head_channels
@@ -182,6 +213,7 @@ class HSAttention(Module):
         self.dropout, self.query_residual = float(dropout), bool(query_residual)
         self.scale = scale
         self.pos_dim = pos_dim
+        self.causal = bool(causal)
         inner = heads * head_channels
         # q, k and v in one matmul; rows laid out [q | k | v], each [H, D] (as the
         # in_proj of torch.nn.MultiheadAttention).
@@ -208,6 +240,25 @@ class HSAttention(Module):
         """The tree this layer attends over (see :func:`attention_tree`)."""
         return attention_tree(tree, self.attention)
 
+    def _project(self, x: Tensor, modality: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        """``[N, F]`` -> ``q, k, v`` ``[N, H, D]``, normalised as configured (row-wise:
+        the same for a whole tree and for one token)."""
+        q, k, v = self.qkv(x, modality).view(x.shape[0], 3, self.heads,
+                                              self.head_channels).unbind(1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        return q, k, v
+
+    def _finish(self, y: Tensor, q: Tensor) -> Tensor:
+        """Dropout, query residual and output projection of attention outputs
+        ``[N, H, D]`` -> ``[N, out_channels]``."""
+        y = F.dropout(y, self.dropout, self.training)
+        if self.query_residual:
+            y = y + q.to(y.dtype)
+        return self.out_proj(y.reshape(y.shape[0], self.heads * self.head_channels))
+
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
         """Leaf outputs ``[N, out_channels]`` (see the class docstring)."""
         structure = _structure(tree, x, self)
@@ -216,12 +267,7 @@ class HSAttention(Module):
             raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
                              f"(N = {n}), got {tuple(x.shape)}")
         modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
-        h, d = self.heads, self.head_channels
-        q, k, v = self.qkv(x, modality).view(n, 3, h, d).unbind(1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
+        q, k, v = self._project(x, modality)
 
         target = self.attention_tree(tree)
         if target is None:  # attention disabled: theta = identity
@@ -232,15 +278,115 @@ class HSAttention(Module):
             # are half precision and the norms float32, and autocast would run HSA's
             # matmuls in half precision again.
             dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
+            op = causal_hsa if self.causal else hsa
             with no_autocast(x.device):
-                y = hsa(q.to(dtype), k.to(dtype), v.to(dtype), target,
-                        include_self=self.include_self, scale=self.scale,
-                        pos=None if embeddings is None else embeddings.to(dtype))
+                y = op(q.to(dtype), k.to(dtype), v.to(dtype), target,
+                       include_self=self.include_self, scale=self.scale,
+                       pos=None if embeddings is None else embeddings.to(dtype))
             y = y.to(v.dtype)
-        y = F.dropout(y, self.dropout, self.training)
-        if self.query_residual:
-            y = y + q.to(y.dtype)
-        return self.out_proj(y.reshape(n, h * d))
+        return self._finish(y, q)
+
+    def new_cache(self) -> HSACache:
+        """An empty :class:`~hsa_graph.HSACache` for :meth:`step`, with this layer's
+        ``include_self`` and ``scale`` (one cache per layer and sequence).
+
+        Raises:
+            ValueError: the layer is not causal.
+        """
+        self._check_generates("new_cache")
+        return HSACache(include_self=self.include_self, scale=self.scale)
+
+    def step(self, x: Tensor, cache: HSACache, *, modality: Optional[int] = None,
+             **where: int) -> Tensor:
+        r"""The output for one new token, equal (to rounding) to its row of the
+        parallel causal :meth:`forward` on the tree the calls so far have built.
+
+        The token is projected (per modality), normalised, attended with
+        :meth:`HSACache.append <hsa_graph.HSACache.append>` (which stores it) and
+        projected out, as one row of :meth:`forward`. With ``attention="flat"`` the
+        placement is ignored: every token joins one root, as on
+        :func:`~hsa_graph.flatten` of the tree. With ``attention="none"`` the output
+        is the token's own value; the token is still recorded in ``cache`` (so
+        ``cache.parent`` and ``cache.num_tokens`` follow the tree).
+
+        Args:
+            x: the token's features ``[F]``.
+            cache: from :meth:`new_cache`.
+            modality: the token's modality tag (needed when ``num_modalities > 1``,
+                ignored otherwise, as ``tree.modality`` is in :meth:`forward`).
+            **where: ``attach`` / ``depth``, where the token hangs (see
+                :meth:`HSACache.append <hsa_graph.HSACache.append>`).
+
+        Returns:
+            ``[out_channels]``.
+
+        Raises:
+            ValueError: the layer is not causal or has position embeddings
+                (``pos_dim``: a node's embedding needs the whole tree), ``x`` is not
+                ``[F]``, ``cache`` was made with another ``include_self`` / ``scale``,
+                a bad ``modality`` or placement.
+            TypeError: ``x`` is not a floating tensor of the parameters' dtype,
+                ``cache`` is not an :class:`~hsa_graph.HSACache`, or an unknown
+                keyword.
+        """
+        self._check_generates("step")
+        if self.pos_encoder is not None:
+            raise ValueError(
+                "HSAttention.step does not support position embeddings (pos_dim="
+                f"{self.pos_dim}): a node's embedding comes from its place in its "
+                "parent's geometry, which needs the whole tree; use pos_dim=None to "
+                "generate token by token")
+        check_features(self, x)
+        if x.dim() != 1 or x.shape[0] != self.in_channels:
+            raise ValueError(f"x must be one token of shape [{self.in_channels}], got "
+                             f"{tuple(x.shape)}")
+        if not isinstance(cache, HSACache):
+            raise TypeError(f"cache must be an HSACache (from new_cache()), got "
+                            f"{type(cache).__name__}")
+        if cache.include_self != self.include_self or cache.scale != (
+                None if self.scale is None else float(self.scale)):
+            raise ValueError(
+                f"cache was made with include_self={cache.include_self}, "
+                f"scale={cache.scale} but this layer has include_self={self.include_self}, "
+                f"scale={self.scale}: make it with this layer's new_cache()")
+        unknown = sorted(set(where) - {"attach", "depth"})
+        if unknown:
+            raise TypeError(f"step got unexpected keyword(s) {unknown}; a placement is "
+                            "attach= and/or depth=")
+        tag = self._token_modality(modality, x.device)
+        q, k, v = self._project(x[None], tag)
+        if self.attention == "flat":   # one root over all tokens, as flatten(tree)
+            where = {}
+        dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
+        with no_autocast(x.device):
+            y = cache.append(q[0].to(dtype), k[0].to(dtype), v[0].to(dtype), **where)
+        y = v[0] if self.attention == "none" else y.to(v.dtype)
+        return self._finish(y[None], q)[0]
+
+    def _check_generates(self, what: str) -> None:
+        if not self.causal:
+            raise ValueError(f"HSAttention.{what} needs a causal layer "
+                             "(HSAttention(..., causal=True))")
+
+    def _token_modality(self, modality: Optional[int], device: torch.device
+                        ) -> Optional[Tensor]:
+        if self.num_modalities <= 1:
+            return None
+        if modality is None:
+            raise ValueError(f"this layer has {self.num_modalities} modalities: pass the "
+                             "token's tag, step(x, cache, modality=t)")
+        if isinstance(modality, Tensor):
+            if modality.numel() != 1 or modality.is_floating_point() or \
+                    modality.dtype == torch.bool:
+                raise TypeError(f"modality must be one integer tag, got a {modality.dtype} "
+                                f"tensor of shape {tuple(modality.shape)}")
+            modality = int(modality)
+        if isinstance(modality, bool) or not isinstance(modality, int):
+            raise TypeError(f"modality must be an int tag, got {type(modality).__name__}")
+        if not 0 <= modality < self.num_modalities:
+            raise ValueError(f"modality {modality} is outside [0, {self.num_modalities}) "
+                             f"(num_modalities={self.num_modalities})")
+        return torch.tensor([modality], device=device)
 
     def _positions(self, target, pos: PositionInput) -> Optional[Tensor]:
         if isinstance(pos, Tensor):
@@ -262,7 +408,8 @@ class HSAttention(Module):
                 f"qk_norm={self.q_norm is not None}, v_norm={self.v_norm is not None}, "
                 f"num_modalities={self.num_modalities}, pos_dim={self.pos_dim}, "
                 f"dropout={self.dropout}"
-                + (", query_residual=True" if self.query_residual else "") + ")")
+                + (", query_residual=True" if self.query_residual else "")
+                + (", causal=True" if self.causal else "") + ")")
 
 
 def _positive(name: str, value: Any) -> None:

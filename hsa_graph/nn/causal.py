@@ -1,4 +1,5 @@
-r"""Causal HSA modules: an attention layer, a decoder layer and a small language model.
+r"""Causal HSA modules: a decoder layer and a small language model, both on
+:class:`~hsa_graph.nn.HSAttention` with ``causal=True``.
 
 Training runs :func:`~hsa_graph.ops.causal.causal_hsa` over whole trees (or a PyG batch
 of them) at once; generation runs one token at a time through one
@@ -9,29 +10,37 @@ makes the comparison in ``examples/causal_lm.py`` like for like.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Embedding, LayerNorm, Linear, Module, ModuleList, Sequential
+from torch.nn import Embedding, LayerNorm, Module, ModuleList
 
+from ..geometry import sinusoidal_encoding
 from ..ops.cache import HSACache
-from ..ops.causal import causal_hsa
 from ..ops.inputs import resolve_structure
-from .attention import _positive, check_features
+from .attention import HSAttention, PositionInput, _positive, check_features
+from .encoder import _feed_forward
 
 __all__ = ["CausalHSAttention", "CausalDecoderLayer", "HierarchicalCausalLM"]
 
 
-class CausalHSAttention(Module):
-    r"""Multi-head causal HSA with learnable projections.
+class CausalHSAttention(HSAttention):
+    r"""Alias kept for compatibility: ``HSAttention(channels, heads,
+    include_self=include_self, causal=True, qk_norm=False)``.
+
+    Multi-head causal HSA with plain projections (no q/k LayerNorm, one modality, no
+    positions, no dropout),
 
     .. math::
-        y = W_o \big\Vert_h \mathrm{CausalHSA}(W_q x, W_k x, W_v x)_h + b_o
+        y = W_o \big\Vert_h \mathrm{CausalHSA}(W_q x, W_k x, W_v x)_h + b_o,
 
     where row :math:`i` of causal HSA reads only leaves :math:`\le i` (see
-    :func:`~hsa_graph.ops.causal.causal_hsa`).
+    :func:`~hsa_graph.ops.causal.causal_hsa`). Everything else (:meth:`step`,
+    :meth:`new_cache`, ...) is :class:`~hsa_graph.nn.HSAttention`'s; new code should
+    use ``HSAttention(..., causal=True)``, which also has ``qk_norm``, modalities,
+    position embeddings, dropout and the ``"flat"`` / ``"none"`` baselines.
 
     Args:
         channels: feature size ``C`` (divisible by ``heads``).
@@ -58,48 +67,40 @@ class CausalHSAttention(Module):
     """
 
     def __init__(self, channels: int, heads: int = 1, include_self: bool = True):
-        super().__init__()
-        _positive("channels", channels)
-        _positive("heads", heads)
-        if channels % heads:
-            raise ValueError(f"channels ({channels}) must be divisible by heads ({heads})")
-        self.channels, self.heads, self.include_self = channels, heads, include_self
-        self.qkv = Linear(channels, 3 * channels)
-        self.out = Linear(channels, channels)
-        self.reset_parameters()
+        super().__init__(channels, heads, include_self=include_self, qk_norm=False,
+                         causal=True)
 
-    def reset_parameters(self) -> None:
-        self.qkv.reset_parameters()
-        self.out.reset_parameters()
-
-    def _split(self, x: Tensor):
-        return self.qkv(x).unflatten(-1, (3, self.heads, self.channels // self.heads)).unbind(-3)
-
-    def forward(self, x: Tensor, tree) -> Tensor:
-        check_features(self, x)
-        q, k, v = self._split(x)
-        y = causal_hsa(q, k, v, tree, include_self=self.include_self)
-        return self.out(y.flatten(1))
-
-    def new_cache(self) -> HSACache:
-        """An empty :class:`~hsa_graph.ops.cache.HSACache` for :meth:`step`."""
-        return HSACache(include_self=self.include_self)
-
-    def step(self, x: Tensor, cache: HSACache, **where) -> Tensor:
-        """The output for one new token ``x`` ``[C]``; ``where`` (``attach``, ``depth``)
-        says where it hangs, as in :meth:`HSACache.append`."""
-        check_features(self, x)
-        q, k, v = self._split(x)
-        return self.out(cache.append(q, k, v, **where).flatten())
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}({self.channels}, heads={self.heads}, "
-                f"include_self={self.include_self})")
+    @property
+    def channels(self) -> int:
+        """The feature size ``C`` (``in_channels``)."""
+        return self.in_channels
 
 
 class CausalDecoderLayer(Module):
-    r"""Pre-norm decoder block: :math:`x + \mathrm{Attn}(\mathrm{LN}(x))`, then
-    :math:`x + \mathrm{MLP}(\mathrm{LN}(x))` with a GELU MLP of ``ffn_channels``.
+    r"""Pre-norm decoder block on causal :class:`~hsa_graph.nn.HSAttention`:
+
+    .. math::
+        x &\leftarrow x + \mathrm{Dropout}(\mathrm{HSAttention}_{\text{causal}}(\mathrm{LN}(x))) \\
+        x &\leftarrow x + \mathrm{Dropout}(\mathrm{FFN}(\mathrm{LN}(x)))
+
+    :class:`~hsa_graph.nn.HSATransformerEncoderLayer` with ``causal=True``, plus
+    :meth:`step` for generation.
+
+    Args:
+        channels: feature size ``C``.
+        heads: number of heads.
+        ffn_channels: hidden size of the feed-forward network (``4 C``).
+        include_self: whether a token attends to itself.
+        act: activation of the FFN (any name of :mod:`torch_geometric.nn.resolver`).
+        dropout: dropout on the attention outputs and on both residual branches.
+        **kwargs: further arguments of :class:`~hsa_graph.nn.HSAttention`
+            (``qk_norm`` (default ``True``), ``v_norm``, ``head_channels``,
+            ``num_modalities``, ``pos_dim``, ``pos_kwargs``, ``attention``, ``scale``,
+            ``bias``, ``query_residual``); :meth:`step` refuses ``pos_dim``.
+
+    Shapes:
+        - **input:** ``x`` ``[N, C]``, ``tree`` with ``N`` leaves; :meth:`step`: ``[C]``.
+        - **output:** ``[N, C]``; :meth:`step`: ``[C]``.
 
     Example:
         >>> import torch, hsa_graph
@@ -111,58 +112,84 @@ class CausalDecoderLayer(Module):
     """
 
     def __init__(self, channels: int, heads: int = 1, ffn_channels: Optional[int] = None,
-                 include_self: bool = True):
+                 include_self: bool = True, *, act: str = "gelu", dropout: float = 0.0,
+                 **kwargs: Any):
         super().__init__()
-        ffn_channels = ffn_channels or 4 * channels
-        self.norm1, self.norm2 = LayerNorm(channels), LayerNorm(channels)
-        self.attn = CausalHSAttention(channels, heads, include_self)
-        self.mlp = Sequential(Linear(channels, ffn_channels), torch.nn.GELU(),
-                              Linear(ffn_channels, channels))
+        if "causal" in kwargs:
+            raise TypeError("CausalDecoderLayer is always causal: do not pass causal=")
+        _positive("channels", channels)
+        if ffn_channels is not None:
+            _positive("ffn_channels", ffn_channels)
+        self.channels = channels
+        self.norm1 = LayerNorm(channels)
+        self.attn = HSAttention(channels, heads, out_channels=channels,
+                                include_self=include_self, dropout=dropout, causal=True,
+                                **kwargs)
+        self.norm2 = LayerNorm(channels)
+        self.ffn_channels = ffn_channels or 4 * channels
+        self.ffn = _feed_forward(channels, self.ffn_channels, act, dropout)
+        self.dropout = float(dropout)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-initialise the norms, the attention and the feed-forward network."""
         self.norm1.reset_parameters()
-        self.norm2.reset_parameters()
         self.attn.reset_parameters()
-        for layer in (self.mlp[0], self.mlp[2]):
-            layer.reset_parameters()
+        self.norm2.reset_parameters()
+        for module in self.ffn:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
-    def forward(self, x: Tensor, tree) -> Tensor:
+    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
+        """``[N, C] -> [N, C]``; row :math:`i` depends on rows :math:`\\le i` only."""
         check_features(self, x)
-        x = x + self.attn(self.norm1(x), tree)
-        return x + self.mlp(self.norm2(x))
+        x = x + F.dropout(self.attn(self.norm1(x), tree, pos), self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
-    def step(self, x: Tensor, cache: HSACache, **where) -> Tensor:
+    def new_cache(self) -> HSACache:
+        """An empty cache for :meth:`step` (see :meth:`HSAttention.new_cache`)."""
+        return self.attn.new_cache()
+
+    def step(self, x: Tensor, cache: HSACache, **where: Any) -> Tensor:
+        """One token ``[C]`` -> ``[C]``, its row of :meth:`forward`; ``where``
+        (``attach``, ``depth``, ``modality``) as in :meth:`HSAttention.step`."""
         check_features(self, x)
-        x = x + self.attn.step(self.norm1(x), cache, **where)
-        return x + self.mlp(self.norm2(x))
+        x = x + F.dropout(self.attn.step(self.norm1(x), cache, **where), self.dropout,
+                          self.training)
+        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
     def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}({self.attn.channels}, heads={self.attn.heads}, "
-                f"ffn_channels={self.mlp[0].out_features})")
-
-
-def _sinusoid(position: Tensor, channels: int) -> Tensor:
-    """Transformer sinusoidal embedding of integer positions ``[N]`` -> ``[N, C]``."""
-    half = channels // 2
-    freq = torch.exp(-math.log(10000.0) * torch.arange(half, device=position.device) / half)
-    angle = position.float()[:, None] * freq[None, :]
-    out = torch.cat([angle.sin(), angle.cos()], -1)
-    return F.pad(out, (0, channels - 2 * half))
+        return (f"{self.__class__.__name__}({self.channels}, heads={self.attn.heads}, "
+                f"ffn_channels={self.ffn_channels}, attention={self.attn.attention!r}, "
+                f"qk_norm={self.attn.q_norm is not None}, causal=True)")
 
 
 class HierarchicalCausalLM(Module):
     r"""A small decoder-only language model over the leaves (tokens) of trees.
 
-    Token embedding plus a sinusoidal embedding of the token's index in its tree, a stack
-    of :class:`CausalDecoderLayer`, a final LayerNorm and an output projection tied to
-    the embedding. Row :math:`i` of :meth:`forward` predicts token :math:`i + 1` of the
-    same tree.
+    .. math::
+        x^{(0)}_i = \sqrt{C}\, E[t_i] + e(p_i), \qquad
+        x^{(l)} = \mathrm{Decoder}_l(x^{(l-1)}), \qquad
+        \mathrm{logits}_i = \mathrm{LN}(x^{(L)}_i)\, E^\top
+
+    with the token embedding :math:`E` (tied to the output projection), the
+    Transformer's sinusoidal encoding :math:`e`
+    (:func:`~hsa_graph.geometry.sinusoidal_encoding`; for odd ``C`` that of size
+    ``C + 1`` without its last channel) of the token's index :math:`p_i` in its tree,
+    and a stack of :class:`CausalDecoderLayer`. Row :math:`i` of :meth:`forward`
+    predicts token :math:`i + 1` of the same tree; :meth:`step` gives the same rows
+    one token at a time.
 
     Args:
         vocab_size: number of token ids.
         channels, num_layers, heads, ffn_channels: model size.
         include_self: passed to the attention layers.
+        **kwargs: further arguments of every :class:`CausalDecoderLayer` (``act``,
+            ``dropout``, ``qk_norm``, ``attention``, ...).
+
+    Shapes:
+        - **input:** ``tokens`` ``[N]`` (long, leaf order), ``tree`` with ``N`` leaves.
+        - **output:** ``[N, vocab_size]``; :meth:`step`: ``[vocab_size]``.
 
     Example:
         >>> import torch, hsa_graph
@@ -179,24 +206,32 @@ class HierarchicalCausalLM(Module):
     """
 
     def __init__(self, vocab_size: int, channels: int = 64, num_layers: int = 2,
-                 heads: int = 4, ffn_channels: Optional[int] = None, include_self: bool = True):
+                 heads: int = 4, ffn_channels: Optional[int] = None, include_self: bool = True,
+                 **kwargs: Any):
         super().__init__()
+        _positive("vocab_size", vocab_size)
+        _positive("channels", channels)
+        _positive("num_layers", num_layers)
         self.vocab_size, self.channels = vocab_size, channels
         self.embed = Embedding(vocab_size, channels)
         self.layers = ModuleList([CausalDecoderLayer(channels, heads, ffn_channels,
-                                                     include_self) for _ in range(num_layers)])
+                                                     include_self, **kwargs)
+                                  for _ in range(num_layers)])
         self.norm = LayerNorm(channels)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-draw the embedding from N(0, 1/C) and re-initialise every layer."""
         torch.nn.init.normal_(self.embed.weight, std=self.channels ** -0.5)
         for layer in self.layers:
             layer.reset_parameters()
         self.norm.reset_parameters()
 
     def _input(self, tokens: Tensor, position: Tensor) -> Tensor:
-        return self.embed(tokens) * math.sqrt(self.channels) + _sinusoid(position,
-                                                                          self.channels)
+        """Token embeddings plus position encodings, ``[N]``, ``[N]`` -> ``[N, C]``."""
+        c = self.channels
+        encoding = sinusoidal_encoding(position, c + c % 2)[:, :c]
+        return self.embed(tokens) * math.sqrt(c) + encoding.to(self.embed.weight.dtype)
 
     def _logits(self, x: Tensor) -> Tensor:
         return self.norm(x) @ self.embed.weight.t()
@@ -225,10 +260,14 @@ class HierarchicalCausalLM(Module):
 
     def new_caches(self) -> List[HSACache]:
         """One empty cache per layer."""
-        return [layer.attn.new_cache() for layer in self.layers]
+        return [layer.new_cache() for layer in self.layers]
 
-    def step(self, token: int, caches: Sequence[HSACache], **where) -> Tensor:
-        """Feed one token (hung as ``where`` says) and return the next-token logits."""
+    def step(self, token: int, caches: Sequence[HSACache], **where: Any) -> Tensor:
+        """Feed one token (hung as ``where`` says: ``attach`` / ``depth``, see
+        :meth:`HSAttention.step`) and return the next-token logits ``[vocab_size]``."""
+        if len(caches) != len(self.layers):
+            raise ValueError(f"caches must hold one cache per layer ({len(self.layers)}), "
+                             f"got {len(caches)}: use new_caches()")
         position = torch.tensor([caches[0].num_tokens], device=self.embed.weight.device)
         x = self._input(torch.tensor([token], device=position.device), position)[0]
         for layer, cache in zip(self.layers, caches):

@@ -316,3 +316,164 @@ def test_bad_inputs_are_named():
         HSAttention(4, dropout=1.0)
     with pytest.raises(ValueError, match="pos_kwargs given without pos_dim"):
         HSAttention(4, pos_kwargs={"dim": 8})
+
+
+# ------------------------------------------------------------------------ causal
+# root 0 -> {1, 2, 3}; 1 -> {4, 5, 6}; 2 -> {7, 8}; 3 -> {9}; 9 -> {10, 11}: every
+# node's leaves are a contiguous run, as causal HSA needs
+CAUSAL_PARENT = [-1, 0, 0, 0, 1, 1, 1, 2, 2, 3, 9, 9]
+
+
+def steps_over(attn: HSAttention, x: torch.Tensor, tree, tags=None) -> torch.Tensor:
+    """The layer's outputs token by token, each hung where ``tree`` has it (with its
+    modality tag from ``tags``)."""
+    cache = attn.new_cache()
+    moves = hsa_graph.HSACache.moves_of(tree)
+    extra = [{} if tags is None else dict(modality=t) for t in tags or [None] * len(moves)]
+    return torch.stack([attn.step(x[i], cache, **moves[i], **extra[i])
+                        for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("settings", [
+    dict(qk_norm=True), dict(qk_norm=False), dict(qk_norm=False, include_self=False),
+    dict(v_norm=True, query_residual=True, include_self=False), dict(scale=0.3),
+    dict(head_channels=5, out_channels=7), dict(attention="flat"), dict(attention="none")])
+def test_causal_step_equals_parallel_forward(settings):
+    torch.manual_seed(10)
+    tree = NestedSignal.from_parents(CAUSAL_PARENT)
+    attn = HSAttention(12, heads=3, causal=True, **settings).to(DT).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for module in (attn.q_norm, attn.k_norm, attn.v_norm):
+            if module is not None:
+                module.weight.normal_()
+                module.bias.normal_()
+        attn.qkv.bias.normal_()
+    x = torch.randn(tree.num_leaves, 12, dtype=DT)
+    full = attn(x, tree)
+    assert full.shape == (tree.num_leaves, attn.out_channels)
+    torch.testing.assert_close(steps_over(attn, x, tree), full, rtol=0, atol=1e-10)
+
+
+def test_causal_step_with_modalities_equals_parallel_forward():
+    torch.manual_seed(11)
+    modality = torch.tensor([0, 0, 0, 0, 1, 0, 1, 1, 0, 0, 1, 0])
+    tree = NestedSignal.from_parents(CAUSAL_PARENT, modality=modality)
+    attn = HSAttention(8, heads=2, num_modalities=2, causal=True).to(DT).eval()
+    with torch.no_grad():
+        attn.qkv.bias.normal_()
+    x = torch.randn(tree.num_leaves, 8, dtype=DT)
+    leaf_tags = modality[[4, 5, 6, 7, 8, 10, 11]].tolist()
+    got = steps_over(attn, x, tree, tags=leaf_tags)
+    torch.testing.assert_close(got, attn(x, tree), rtol=0, atol=1e-10)
+    # the tags matter: all-zero tags give other outputs
+    zeros = steps_over(attn, x, tree, tags=[0] * len(leaf_tags))
+    assert not torch.allclose(zeros, got)
+
+
+def test_causal_forward_is_the_causal_op_on_the_attention_tree():
+    torch.manual_seed(12)
+    tree = NestedSignal.from_parents(CAUSAL_PARENT)
+    x = torch.randn(tree.num_leaves, 8, dtype=DT)
+    for attention in ("hierarchical", "flat"):
+        attn = HSAttention(8, heads=2, causal=True, attention=attention).to(DT)
+        q, k, v = attn._project(x, None)
+        target = attention_tree(tree, attention)
+        expected = attn.out_proj(hsa_graph.causal_hsa(q, k, v, target).reshape(-1, 8))
+        torch.testing.assert_close(attn(x, tree), expected, rtol=0, atol=1e-12)
+        full = HSAttention(8, heads=2, attention=attention).to(DT)
+        full.load_state_dict(attn.state_dict())     # the same weights, not causal
+        assert not torch.allclose(full(x, tree), attn(x, tree))
+        torch.testing.assert_close(full(x, tree)[-1], attn(x, tree)[-1], **TOL)  # last row
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_causal_flat_attention_matches_masked_multihead_attention(include_self):
+    torch.manual_seed(13)
+    tree = NestedSignal.from_parents(CAUSAL_PARENT)     # flattened: 7 leaves in a row
+    n, c, heads = tree.num_leaves, 12, 3
+    mha = torch.nn.MultiheadAttention(c, heads, batch_first=True, dtype=DT)
+    torch.nn.init.normal_(mha.in_proj_bias)
+    attn = HSAttention(c, heads, qk_norm=False, include_self=include_self, attention="flat",
+                       causal=True).to(DT)
+    copy_from_mha(attn, mha)
+    x = torch.randn(n, c, dtype=DT)
+    offset = 0 if include_self else 1
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1 - offset)       # True = not allowed
+    mask[0, 0] = False   # MHA needs one allowed key per row; row 0 is checked separately
+    expected = mha(x[None], x[None], x[None], attn_mask=mask, need_weights=False)[0][0]
+    got = attn(x, tree)
+    start = 0 if include_self else 1
+    torch.testing.assert_close(got[start:], expected[start:], **TOL)
+    if not include_self:  # the first token sees nothing: zero attention output
+        torch.testing.assert_close(got[0], mha.out_proj.bias, **TOL)
+
+
+def test_causal_outputs_ignore_later_leaves_with_positions_and_batches():
+    torch.manual_seed(14)
+    trees = [NestedSignal.from_parents(CAUSAL_PARENT), NestedSignal.from_parents(
+        [-1, 0, 0, 1, 1, 2, 2, 2])]
+    batch = Batch.from_data_list(trees)
+    attn = HSAttention(8, heads=2, pos_dim=4, causal=True).to(DT)
+    x = torch.randn(batch.num_leaves, 8, dtype=DT)
+    y = attn(x, batch)
+    n0 = trees[0].num_leaves
+    for i, tree_x in enumerate(x.split([n0, x.shape[0] - n0])):   # a forest = its trees
+        torch.testing.assert_close(y.split([n0, x.shape[0] - n0])[i], attn(tree_x, trees[i]),
+                                   **TOL)
+    changed = x.clone()
+    changed[4:n0] += 1.0                       # later leaves of the first tree
+    changed[n0 + 2:] -= 1.0                    # later leaves of the second tree
+    y2 = attn(changed, batch)
+    torch.testing.assert_close(y2[:4], y[:4], rtol=0, atol=0)
+    torch.testing.assert_close(y2[n0:n0 + 2], y[n0:n0 + 2], rtol=0, atol=0)
+    assert not torch.allclose(y2[4:n0], y[4:n0])
+
+
+def test_causal_step_refuses_what_it_cannot_do():
+    tree = NestedSignal.from_parents(CAUSAL_PARENT)
+    plain = HSAttention(8, heads=2)
+    with pytest.raises(ValueError, match="needs a causal layer"):
+        plain.new_cache()
+    with pytest.raises(ValueError, match="needs a causal layer"):
+        plain.step(torch.randn(8), hsa_graph.HSACache())
+    positioned = HSAttention(8, heads=2, pos_dim=4, causal=True)
+    assert positioned(torch.randn(tree.num_leaves, 8), tree).shape == (7, 8)  # forward works
+    with pytest.raises(ValueError, match="does not support position embeddings"):
+        positioned.step(torch.randn(8), positioned.new_cache(), depth=2)
+    attn = HSAttention(8, heads=2, causal=True)
+    cache = attn.new_cache()
+    with pytest.raises(ValueError, match=r"one token of shape \[8\]"):
+        attn.step(torch.randn(1, 8), cache)
+    with pytest.raises(TypeError, match="float64 but the parameters"):
+        attn.step(torch.randn(8, dtype=DT), cache)
+    with pytest.raises(TypeError, match="cache must be an HSACache"):
+        attn.step(torch.randn(8), [])
+    with pytest.raises(ValueError, match="include_self=False"):
+        attn.step(torch.randn(8), hsa_graph.HSACache(include_self=False))
+    with pytest.raises(ValueError, match="scale=0.5"):
+        attn.step(torch.randn(8), hsa_graph.HSACache(scale=0.5))
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['atach'\]"):
+        attn.step(torch.randn(8), cache, atach=0)
+    with pytest.raises(ValueError, match="attach must be None"):
+        attn.step(torch.randn(8), cache, attach=0)
+    assert cache.num_tokens == 0           # nothing was stored by the refused calls
+    multi = HSAttention(8, heads=2, num_modalities=2, causal=True)
+    with pytest.raises(ValueError, match="pass the token's tag"):
+        multi.step(torch.randn(8), multi.new_cache())
+    with pytest.raises(ValueError, match=r"modality 2 is outside \[0, 2\)"):
+        multi.step(torch.randn(8), multi.new_cache(), modality=2)
+    with pytest.raises(TypeError, match="modality must be an int"):
+        multi.step(torch.randn(8), multi.new_cache(), modality=0.5)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        HSAttention(8, causal="yes")
+
+
+def test_causal_repr_and_reset_parameters():
+    attn = HSAttention(8, heads=2, causal=True)
+    assert repr(attn) == (
+        "HSAttention(8, 8, heads=2, head_channels=4, attention='hierarchical', "
+        "include_self=True, qk_norm=True, v_norm=False, num_modalities=1, pos_dim=None, "
+        "dropout=0.0, causal=True)")
+    before = attn.qkv.weight.clone()
+    attn.reset_parameters()
+    assert not torch.equal(before, attn.qkv.weight)

@@ -88,3 +88,83 @@ def test_layers_validate():
     tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0])
     with pytest.raises(ValueError, match="tokens must have shape"):
         lm(torch.tensor([1, 2, 3]), tree)
+
+
+# root -> 3 sentences of 3, 2 and 2 tokens: every node's leaves are contiguous
+SMALL = [-1, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(qk_norm=False), dict(dropout=0.3),
+                                      dict(attention="flat", include_self=False),
+                                      dict(v_norm=True, query_residual=True)])
+def test_decoder_layer_step_equals_parallel_forward(settings):
+    torch.manual_seed(3)
+    tree = hsa_graph.NestedSignal.from_parents(SMALL)
+    layer = CausalDecoderLayer(8, heads=2, **settings).double().eval()
+    assert layer.attn.causal and isinstance(layer.attn, hsa_graph.nn.HSAttention)
+    assert (layer.attn.q_norm is not None) == settings.get("qk_norm", True)
+    x = torch.randn(tree.num_leaves, 8, dtype=torch.float64)
+    cache = layer.new_cache()
+    steps = [layer.step(x[i], cache, **move)
+             for i, move in enumerate(HSACache.moves_of(tree))]
+    torch.testing.assert_close(torch.stack(steps), layer(x, tree), rtol=0, atol=1e-10)
+
+
+def test_decoder_layer_arguments():
+    layer = CausalDecoderLayer(8, 2, 12, False, act="relu")
+    assert layer.ffn[0].out_features == 12 and not layer.attn.include_self
+    assert isinstance(layer.ffn[1], torch.nn.ReLU)
+    assert repr(layer) == ("CausalDecoderLayer(8, heads=2, ffn_channels=12, "
+                           "attention='hierarchical', qk_norm=True, causal=True)")
+    with pytest.raises(TypeError, match="always causal"):
+        CausalDecoderLayer(8, causal=False)
+    with pytest.raises(ValueError, match="ffn_channels must be a positive int"):
+        CausalDecoderLayer(8, ffn_channels=-1)
+
+
+def test_alias_is_causal_hsattention_without_qk_norm():
+    attn = CausalHSAttention(8, heads=2, include_self=False)
+    assert isinstance(attn, hsa_graph.nn.HSAttention)
+    assert attn.causal and attn.q_norm is None and not attn.include_self
+    assert attn.channels == 8 and attn.pos_encoder is None and attn.num_modalities == 1
+    assert "causal=True" in repr(attn)
+
+
+@pytest.mark.parametrize("settings", [dict(channels=16, qk_norm=False),
+                                      dict(channels=15, heads=3),
+                                      dict(channels=16, attention="flat")])
+def test_lm_step_equals_parallel_forward_for_other_settings(settings):
+    torch.manual_seed(4)
+    tree = hsa_graph.NestedSignal.from_parents(SMALL)
+    lm = HierarchicalCausalLM(7, num_layers=2, **{"heads": 2, **settings}).double().eval()
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6, 0])
+    caches = lm.new_caches()
+    steps = [lm.step(int(t), caches, **place)
+             for t, place in zip(tokens.tolist(), HSACache.moves_of(tree))]
+    torch.testing.assert_close(torch.stack(steps), lm(tokens, tree), rtol=0, atol=1e-9)
+
+
+def test_lm_input_is_token_embedding_plus_sinusoidal_encoding():
+    from hsa_graph.geometry import sinusoidal_encoding
+    lm = HierarchicalCausalLM(5, channels=8, num_layers=1, heads=2).double()
+    tokens, position = torch.tensor([3, 1, 4]), torch.tensor([0, 1, 2])
+    expected = lm.embed(tokens) * 8 ** 0.5 + sinusoidal_encoding(position, 8).double()
+    torch.testing.assert_close(lm._input(tokens, position), expected, rtol=0, atol=1e-12)
+    odd = HierarchicalCausalLM(5, channels=7, num_layers=1, heads=7).double()
+    torch.testing.assert_close(odd._input(tokens, position) - odd.embed(tokens) * 7 ** 0.5,
+                               sinusoidal_encoding(position, 8).double()[:, :7])
+
+
+def test_lm_validates_sizes_and_caches():
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        HierarchicalCausalLM(5, channels=8, num_layers=0, heads=2)
+    with pytest.raises(ValueError, match="vocab_size must be a positive int"):
+        HierarchicalCausalLM(0, channels=8, num_layers=1, heads=2)
+    lm = HierarchicalCausalLM(5, channels=8, num_layers=2, heads=2)
+    with pytest.raises(ValueError, match=r"one cache per layer \(2\), got 1"):
+        lm.step(1, lm.new_caches()[:1], depth=1)
+    positioned = HierarchicalCausalLM(5, channels=8, num_layers=1, heads=2, pos_dim=4)
+    tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0])
+    assert positioned(torch.tensor([1, 2]), tree).shape == (2, 5)
+    with pytest.raises(ValueError, match="does not support position embeddings"):
+        positioned.step(1, positioned.new_caches())
