@@ -4,7 +4,8 @@ Each returns a :class:`~hsa_graph.NestedSignal` (or a batch of them); networkx t
 through :meth:`~hsa_graph.NestedSignal.from_networkx`.
 """
 from .document import document_tree
-from .html import hash_tokens, html_tree, website_tree
+from .html import html_tree
+from .html_text import hash_tokens
 from .image import image_tree
 from .text import (
     WordTokenizer,
@@ -14,6 +15,7 @@ from .text import (
     text_tree,
     text_trees,
 )
+from .website import website_tree
 from .windows import (
     HoppingWindows,
     hopping_window_forest,

@@ -12,7 +12,8 @@ from torch_geometric.data import Batch
 
 import hsa_graph
 from hsa_graph import NestedSignal
-from hsa_graph.builders.html import SKIP_TAGS, _parse, hash_tokens, html_tree, website_tree
+from hsa_graph.builders.html import SKIP_TAGS, hash_tokens, html_tree, website_tree
+from hsa_graph.builders.html_parse import _parse
 from hsa_graph.builders.text import WordTokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "html"

@@ -23,14 +23,14 @@ from hsa_graph.datasets.emoji import (
     DATASOURCE,
     EMOJIBASE,
     EmojiDataset,
-    _is_datasource_member,
-    _read_members,
     emoji_document,
     emoji_join_key,
     emoji_matching_pairs,
     emoji_rgb,
     load_emoji,
 )
+from hsa_graph.datasets.emoji.join import _is_datasource_member
+from hsa_graph.datasets.emoji.tar import _read_members
 from hsa_graph.datasets.pang_lee import default_cache_dir
 
 
