@@ -21,7 +21,7 @@ from ..geometry import sinusoidal_encoding
 from ..ops.cache import HSACache
 from ..ops.inputs import resolve_structure
 from .attention import HSAttention, PositionInput, _positive, check_features
-from .encoder import _feed_forward
+from .encoder import HSATransformerEncoderLayer
 
 __all__ = ["CausalHSAttention", "CausalDecoderLayer", "HierarchicalCausalLM"]
 
@@ -76,7 +76,7 @@ class CausalHSAttention(HSAttention):
         return self.in_channels
 
 
-class CausalDecoderLayer(Module):
+class CausalDecoderLayer(HSATransformerEncoderLayer):
     r"""Pre-norm decoder block on causal :class:`~hsa_graph.nn.HSAttention`:
 
     .. math::
@@ -114,37 +114,18 @@ class CausalDecoderLayer(Module):
     def __init__(self, channels: int, heads: int = 1, ffn_channels: Optional[int] = None,
                  include_self: bool = True, *, act: str = "gelu", dropout: float = 0.0,
                  **kwargs: Any):
-        super().__init__()
         if "causal" in kwargs:
             raise TypeError("CausalDecoderLayer is always causal: do not pass causal=")
         _positive("channels", channels)
         if ffn_channels is not None:
             _positive("ffn_channels", ffn_channels)
-        self.channels = channels
-        self.norm1 = LayerNorm(channels)
-        self.attn = HSAttention(channels, heads, out_channels=channels,
-                                include_self=include_self, dropout=dropout, causal=True,
-                                **kwargs)
-        self.norm2 = LayerNorm(channels)
+        super().__init__(channels, heads, ffn_channels=ffn_channels, act=act, dropout=dropout,
+                         include_self=include_self, causal=True, **kwargs)
         self.ffn_channels = ffn_channels or 4 * channels
-        self.ffn = _feed_forward(channels, self.ffn_channels, act, dropout)
-        self.dropout = float(dropout)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Re-initialise the norms, the attention and the feed-forward network."""
-        self.norm1.reset_parameters()
-        self.attn.reset_parameters()
-        self.norm2.reset_parameters()
-        for module in self.ffn:
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
 
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
-        """``[N, C] -> [N, C]``; row :math:`i` depends on rows :math:`\\le i` only."""
-        check_features(self, x)
-        x = x + F.dropout(self.attn(self.norm1(x), tree, pos), self.dropout, self.training)
-        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
+        r"""``[N, C] -> [N, C]``; row :math:`i` depends on rows :math:`\le i` only."""
+        return super().forward(x, tree, pos)
 
     def new_cache(self) -> HSACache:
         """An empty cache for :meth:`step` (see :meth:`HSAttention.new_cache`)."""
