@@ -73,7 +73,7 @@ class HSAttention(Module):
         y_i &= W_o\, \big\Vert_h \big[\mathrm{Dropout}(\mathrm{HSA}(q, k, v)_i)
             \;(+\, q_i \text{ with } \texttt{query\_residual})\big] + b_o
 
-where :func:`~hsa_graph.hsa` adds :math:`\langle \varepsilon(A),
+    where :func:`~hsa_graph.hsa` adds :math:`\langle \varepsilon(A),
     \varepsilon(B)\rangle` to sibling logits, :math:`\varepsilon` coming from this
     layer's own :class:`~hsa_graph.geometry.PositionEncoder` (a projection per geometry
     type, as in the paper's appendix F) when ``pos_dim`` is set.
