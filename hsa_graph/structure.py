@@ -94,12 +94,19 @@ class FamilyIndex:
         members: per bucket ``[F, b]`` unified members in slot order (``M`` on padding).
         node_bucket, node_family, node_pos: ``[M + 1]`` bucket (``-1``: no sibling),
             family and slot position of every unified node (row ``M``: padding).
+        parent_bucket, parent_family: ``[I + 1]`` the bucket (``-1``: fewer than two
+            children) and family of the children of every internal row.
+        only_child: ``[I + 1]`` the unified child of an internal row with one child
+            (``M`` otherwise).
     """
 
     members: List[Tensor]
     node_bucket: Tensor
     node_family: Tensor
     node_pos: Tensor
+    parent_bucket: Tensor
+    parent_family: Tensor
+    only_child: Tensor
 
 
 @dataclass(frozen=True)
@@ -370,8 +377,21 @@ class TreeStructure:
             node_family[real] = slots.div(b, rounding_mode="floor")
             node_pos[real] = slots % b
             members.append(slot_member.view(f, b))
+        i = self.num_internal
+        parent_bucket = torch.full((i + 1,), -1, dtype=torch.long, device=dev)
+        parent_family = torch.zeros(i + 1, dtype=torch.long, device=dev)
+        for index, bucket in enumerate(self.buckets):
+            parent_bucket[bucket.parent] = index
+            parent_family[bucket.parent] = torch.arange(bucket.num_families, device=dev)
+        only_child = torch.full((i + 1,), m, dtype=torch.long, device=dev)
+        count = torch.bincount(torch.cat([self.leaf_parent, self.internal_parent]),
+                               minlength=i + 1)
+        child_row = torch.cat([self.leaf_parent, self.internal_parent])
+        alone = (count[child_row] == 1) & (child_row < i)
+        only_child[child_row[alone]] = torch.arange(m, device=dev)[alone]
         return FamilyIndex(members=members, node_bucket=node_bucket, node_family=node_family,
-                           node_pos=node_pos)
+                           node_pos=node_pos, parent_bucket=parent_bucket,
+                           parent_family=parent_family, only_child=only_child)
 
     # ------------------------------------------------------------------ passes
     # Every pass below is vectorised over the nodes of one depth and loops only over

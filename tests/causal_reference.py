@@ -48,40 +48,58 @@ def dense_causal_hsa(parent, q, k, v, include_self=True, scale=None, pos=None) -
     return torch.einsum("hij,jhd->ihd", theta, v)
 
 
-def anchor_blocks(parent, anchor: int):
+def anchor_blocks(parent, anchor: int, include_self: bool = True, sides: bool = False):
     """Blocks (lists of leaf rows) of the partition induced by ``anchor``: the children
     of the anchor (the query is a virtual leaf beside them) and the siblings of each
-    ancestor-or-self of the anchor below the root. A leaf anchor is its own block."""
+    ancestor-or-self of the anchor below the root. A leaf anchor is its own block
+    (left out with ``include_self=False``). With ``sides``, each block comes as
+    ``(rows, node, side)``: the block's node and the node whose position stands for
+    the query against it (the anchor for its children, else the ancestor-or-self)."""
     tree = Tree(parent)
-    blocks = [tree.leaf_rows[c] for c in tree.children[anchor]] or [tree.leaf_rows[anchor]]
+    if tree.children[anchor]:
+        blocks = [(tree.leaf_rows[c], c, anchor) for c in tree.children[anchor]]
+    else:
+        blocks = [(tree.leaf_rows[anchor], anchor, anchor)] if include_self else []
     u = anchor
     while tree.parent[u] >= 0:
-        blocks += [tree.leaf_rows[b] for b in tree.siblings(u)]
+        blocks += [(tree.leaf_rows[b], b, u) for b in tree.siblings(u)]
         u = tree.parent[u]
-    root_rows = tree.leaf_rows[u]
-    assert sorted(r for blk in blocks for r in blk) == root_rows
-    return blocks
+    if include_self or tree.children[anchor]:
+        assert sorted(r for blk, _, _ in blocks for r in blk) == tree.leaf_rows[u]
+    return blocks if sides else [blk for blk, _, _ in blocks]
 
 
-def dense_cross_weights(parent, q: Tensor, k: Tensor, anchors, scale=None) -> Tensor:
+def dense_cross_weights(parent, q: Tensor, k: Tensor, anchors, scale=None,
+                        include_self: bool = True, pos: Tensor = None) -> Tensor:
     """[H, Nq, N]: per query and head, the block-constant row closest in KL to the
-    flat softmax row over the leaves of the anchor's tree."""
-    tree = Tree(parent)
+    flat softmax row over the leaves of the anchor's tree; with ``pos`` ([M, P] or
+    [M, H, P]) the flat row's logit of a leaf in block B adds <pos(side), pos(B)>,
+    constant on the block."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     h, n = q.shape[1], k.shape[0]
+    if pos is not None and pos.dim() == 2:
+        pos = pos.unsqueeze(1)
     rows = []
     for a, anchor in enumerate(anchors):
-        blocks = anchor_blocks(parent, int(anchor))
-        leaves = sorted(r for blk in blocks for r in blk)
-        logits = s * torch.einsum("hd,jhd->hj", q[a], k[leaves])
-        logp = torch.log_softmax(logits, -1)
-        where = {r: c for c, r in enumerate(leaves)}
-        logw = torch.stack([math.log(len(blk)) + logp[:, [where[r] for r in blk]].mean(-1)
-                            for blk in blocks], -1)
-        w = torch.softmax(logw, -1)
+        blocks = anchor_blocks(parent, int(anchor), include_self, sides=True)
         row = q.new_zeros(h, n)
-        for bi, blk in enumerate(blocks):
+        if not blocks:
+            rows.append(row)
+            continue
+        leaves = sorted(r for blk, _, _ in blocks for r in blk)
+        logits = s * torch.einsum("hd,jhd->hj", q[a], k[leaves])
+        where = {r: c for c, r in enumerate(leaves)}
+        if pos is not None:
+            bias = torch.zeros_like(logits)
+            for blk, node, side in blocks:
+                dot = (pos[side] * pos[node]).sum(-1).expand(h)        # [H]
+                bias[:, [where[r] for r in blk]] = dot[:, None]
+            logits = logits + bias
+        logp = torch.log_softmax(logits, -1)
+        logw = torch.stack([math.log(len(blk)) + logp[:, [where[r] for r in blk]].mean(-1)
+                            for blk, _, _ in blocks], -1)
+        w = torch.softmax(logw, -1)
+        for bi, (blk, _, _) in enumerate(blocks):
             row[:, blk] = (w[:, bi] / len(blk))[:, None].expand(h, len(blk))
         rows.append(row)
-    del tree
     return torch.stack(rows, 1)

@@ -70,7 +70,8 @@ def _anchors(anchor: Optional[Tensor], st: TreeStructure, num_queries: int) -> T
 
 
 def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = None,
-              scale: Optional[float] = None, *, check_finite: bool = False) -> Tensor:
+              include_self: bool = True, scale: Optional[float] = None,
+              pos: Optional[Tensor] = None, *, check_finite: bool = False) -> Tensor:
     r"""Anchored hierarchical cross-attention (see the module docstring).
 
     Args:
@@ -81,7 +82,17 @@ def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = 
             or a :class:`~hsa_graph.TreeStructure`).
         anchor: ``[Nq]`` (or one) node index of the key tree per query; default its
             root (required when the key tree is a forest).
+        include_self: a query anchored at a leaf joins it as a copy of that leaf: with
+            ``True`` the leaf is one of its blocks (as a leaf of HSA attends to itself),
+            with ``False`` it is left out. No effect for internal anchors.
         scale: logit scale, ``1 / sqrt(D)`` by default.
+        pos: optional position embeddings of the key tree's nodes, ``[M, P]`` or
+            ``[M, H, P]`` in node index order. Block :math:`B` then scores
+            :math:`s\langle x_a, r_k(B)\rangle + \langle\varepsilon(C),
+            \varepsilon(B)\rangle`, where :math:`C` is the block's sibling on the
+            query's side: the ancestor-or-self of the anchor whose siblings :math:`B`
+            are, and the anchor itself for its children (the query sits where its
+            anchor is, as HSA's own leaves score their siblings from their position).
         check_finite: as in :func:`~hsa_graph.hsa` (rows of ``q`` are named by index).
 
     Returns:
@@ -97,25 +108,30 @@ def cross_hsa(q: Tensor, k: Tensor, v: Tensor, tree, anchor: Optional[Tensor] = 
         >>> bool(torch.allclose(cross_hsa(q, k, v, keys), sdpa, atol=1e-6))
         True
     """
-    x = prepare_attention(q, k, v, tree, scale=scale, check_finite=check_finite,
-                          queries_are_leaves=False)
+    x = prepare_attention(q, k, v, tree, include_self=include_self, scale=scale, pos=pos,
+                          check_finite=check_finite, queries_are_leaves=False)
     anchors = _anchors(anchor, x.structure, x.q.shape[0])
     if x.empty:
         return x.empty_result((x.q.shape[0], *x.v.shape[1:]))
     with no_autocast(x.device):
-        y = _cross(x.structure, x.q, x.k, x.v, anchors, x.scale)
+        y = _cross(x.structure, x.q, x.k, x.v, anchors, x.scale, x.include_self, x.pos)
     return x.finish(y)
 
 
 def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
-           scale: float) -> Tensor:
-    n, m, dev = st.num_leaves, st.num_nodes, q.device
+           scale: float, include_self: bool, pos: Optional[Tensor]) -> Tensor:
+    n, m = st.num_leaves, st.num_nodes
     index = st.family_index
     members, node_bucket, node_family = index.members, index.node_bucket, index.node_family
     rk = torch.cat([k, st.subtree_mean(k)])                       # [M + 1, H, D]
     rv = torch.cat([v, st.subtree_mean(v)])
-    size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
+    log_size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)]).log()   # padding: 0
     parent_u = torch.cat([st.parent_unified(), anchors.new_full((1,), -1)])
+    node_pos = None
+    if pos is not None:                                           # [M + 1, H or 1, P]
+        p = st.to_unified(pos)
+        p = p.unsqueeze(1) if p.dim() == 2 else p
+        node_pos = torch.cat([p, p.new_zeros((1, *p.shape[1:]))])
     nq, h, dv = q.shape[0], q.shape[1], v.shape[2]
 
     # Running log-normaliser and normalised output per query, merged block group by
@@ -123,44 +139,49 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
     lse = q.new_full((nq, h), NEG_INF)
     out = v.new_zeros(nq, h, dv)
 
-    def merge(sel: Tensor, logits: Tensor, valid: Tensor, values: Tensor) -> None:
+    def merge(sel: Tensor, side: Tensor, mem: Tensor, valid: Tensor) -> None:
+        """Blocks ``mem`` ``[Q, b]`` of queries ``sel``, scored from the query's side
+        ``side`` ``[Q]`` (the node whose position stands for the query)."""
         nonlocal lse, out
+        logits = (torch.einsum("qhd,qbhd->qhb", q[sel], rk[mem]) * scale
+                  + log_size[mem][:, None, :])
+        if node_pos is not None:
+            logits = logits + torch.einsum("qhp,qbhp->qhb", node_pos[side], node_pos[mem])
         logits = logits.masked_fill(~valid[:, None, :], NEG_INF)
-        g_lse = torch.logsumexp(logits, -1)                            # [Q, H]
-        g_out = torch.einsum("qhb,qbhd->qhd", torch.softmax(logits, -1), values)
+        # a query with no valid block here (a leaf anchor without include_self) gets
+        # zero weight from this group, not NaN
+        empty = ~valid.any(-1)[:, None, None]
+        logits = logits.masked_fill(empty, 0.0)
+        g_lse = torch.logsumexp(logits, -1).masked_fill(empty[..., 0], NEG_INF)   # [Q, H]
+        g_out = torch.einsum("qhb,qbhd->qhd", torch.softmax(logits, -1), rv[mem])
         old = lse[sel]
         new = _logaddexp(old, g_lse)
-        keep = torch.where(old == NEG_INF, 0.0, (old - new).exp())
-        mixed = out[sel] * keep.unsqueeze(-1) + g_out * (g_lse - new).exp().unsqueeze(-1)
+        # shares of the old and the new part; where new is -inf both parts are empty
+        # and the shift by 0 keeps the exponents -inf (not NaN, for the gradients too)
+        shift = new.masked_fill(new == NEG_INF, 0.0)
+        keep, take = (old - shift).exp(), (g_lse - shift).exp()
+        mixed = out[sel] * keep.unsqueeze(-1) + g_out * take.unsqueeze(-1)
         lse = lse.index_copy(0, sel, new)
         out = out.index_copy(0, sel, mixed)
 
-    def family_logits(sel: Tensor, mem: Tensor) -> Tensor:
-        return (torch.einsum("qhd,qbhd->qhb", q[sel], rk[mem]) * scale
-                + size[mem].log()[:, None, :])
-
-    # 1. the children of the anchor (the anchor itself when it is a leaf; its only
-    #    child when it has one): all members are blocks.
-    fam_of_parent = torch.full((st.num_internal + 1,), -1, dtype=torch.long, device=dev)
-    fam_index = torch.zeros_like(fam_of_parent)
-    for index, bucket in enumerate(st.buckets):
-        fam_of_parent[bucket.parent] = index
-        fam_index[bucket.parent] = torch.arange(bucket.num_families, device=dev)
+    # 1. the children of the anchor (the anchor itself when it is a leaf, unless
+    #    include_self is False; its only child when it has one): all members are blocks.
     is_leaf = anchors < n
     row = (anchors - n).clamp_min(0)
-    group = torch.where(is_leaf, -1, fam_of_parent[row])
-    only_child = torch.full((st.num_internal + 1,), m, dtype=torch.long, device=dev)
-    only_child[st.leaf_parent] = torch.arange(n, device=dev)
-    only_child[st.internal_parent] = torch.arange(n, m, device=dev)
+    group = torch.where(is_leaf, -1, index.parent_bucket[row])
     for g in torch.unique(group).tolist():
         sel = (group == g).nonzero().flatten()
         if g < 0:  # a single block: the leaf anchor, or the only child of the anchor
-            mem = torch.where(is_leaf[sel], anchors[sel], only_child[row[sel]])[:, None]
+            leaf = is_leaf[sel]
+            mem = torch.where(leaf, anchors[sel], index.only_child[row[sel]])[:, None]
+            valid = (mem < m) & ~(leaf[:, None] & (not include_self))
         else:
-            mem = members[g][fam_index[row[sel]]]
-        merge(sel, family_logits(sel, mem), mem < m, rv[mem])
+            mem = members[g][index.parent_family[row[sel]]]
+            valid = mem < m
+        merge(sel, anchors[sel], mem, valid)
 
-    # 2. the siblings of each ancestor-or-self of the anchor, one depth at a time.
+    # 2. the siblings of each ancestor-or-self C of the anchor, one depth at a time,
+    #    scored from C's side.
     node = anchors
     for _ in range(int(st.depth.max()) + 1):
         alive = (node < m) & (parent_u[node.clamp_max(m)] >= 0)
@@ -174,6 +195,6 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
             sel = (bucket_of == g).nonzero().flatten()
             mem = members[g][node_family[safe[sel]]]
             valid = (mem < m) & (mem != safe[sel][:, None])
-            merge(sel, family_logits(sel, mem), valid, rv[mem])
+            merge(sel, safe[sel], mem, valid)
         node = torch.where(alive, parent_u[safe], m)
     return out

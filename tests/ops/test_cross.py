@@ -125,3 +125,57 @@ def test_bad_input_raises():
         cross_hsa(q, k[:1], v[:1], tree)
     with pytest.raises(ValueError, match="agree on heads and features"):
         cross_hsa(q[..., :2], k, v, tree)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parent=parent_arrays(max_nodes=16), seed=st.integers(0, 2**16), data=st.data(),
+       include_self=st.booleans(), heads_in_pos=st.booleans())
+def test_include_self_and_positions_equal_dense_reference(parent, seed, data, include_self,
+                                                          heads_in_pos):
+    n = len(leaves_of(parent))
+    nq = 5
+    anchors = data.draw(st.lists(st.integers(0, len(parent) - 1), min_size=nq, max_size=nq))
+    q, k, v = inputs(nq, n, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    pos = torch.randn(len(parent), *((q.shape[1],) if heads_in_pos else ()), 3, generator=g,
+                      dtype=torch.float64)
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    ref_w = dense_cross_weights(parent, q, k, anchors, include_self=include_self, pos=pos)
+    y = cross_hsa(q, k, v, tree, anchor=torch.tensor(anchors), include_self=include_self,
+                  pos=pos)
+    torch.testing.assert_close(y, torch.einsum("hqj,jhd->qhd", ref_w, v), atol=1e-10,
+                               rtol=1e-10)
+
+
+def test_include_self_only_changes_leaf_anchors():
+    parent = [-1, 0, 0, 1, 1, 2, 2, 2]
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    q, k, v = inputs(3, len(leaves_of(parent)), seed=4)
+    internal, leaf = torch.tensor([1, 2, 0]), torch.tensor([3, 5, 7])
+    torch.testing.assert_close(cross_hsa(q, k, v, tree, anchor=internal, include_self=False),
+                               cross_hsa(q, k, v, tree, anchor=internal))
+    assert not torch.allclose(cross_hsa(q, k, v, tree, anchor=leaf, include_self=False),
+                              cross_hsa(q, k, v, tree, anchor=leaf))
+    alone = hsa_graph.NestedSignal.from_parents([-1])     # nothing left to attend to
+    y = cross_hsa(q[:1], k[:1], v[:1], alone, include_self=False)
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_pos_shapes_are_checked():
+    parent = [-1, 0, 0]
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    q, k, v = inputs(2, 2, seed=0)
+    with pytest.raises(ValueError, match="pos must have shape"):
+        cross_hsa(q, k, v, tree, pos=torch.randn(5, 2))
+
+
+def test_gradients_without_a_self_block_are_finite():
+    parent = [-1, 0, 1, 1]                  # the root's only child holds two leaves
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    q, k, v = (t.requires_grad_() for t in inputs(3, 2, seed=1))
+    y = cross_hsa(q, k, v, tree, anchor=torch.tensor([2, 3, 0]), include_self=False)
+    y.sum().backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: cross_hsa(q, k, v, tree, anchor=torch.tensor([2, 3, 0]),
+                                  include_self=False), (q, k, v))
