@@ -293,6 +293,22 @@ class TreeStructure:
             current = torch.where(alive, parent_u[safe], current)
         return paths
 
+    def pair_blocks(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        r"""For every pair of leaves ``(i, j)``: the unified ids of the children ``A``
+        (holding ``i``) and ``B`` (holding ``j``) of their lowest common ancestor, the
+        ancestor itself, and whether ``i != j`` share a tree (``[N, N]`` each). Dense,
+        :math:`O(N^2 \cdot depth)`: for the dense matrices of small trees."""
+        paths = self.leaf_paths()                                    # [N, depth + 2]
+        same = (paths.unsqueeze(1) == paths.unsqueeze(0)) & (paths.unsqueeze(1) >= 0)
+        lca_depth = same.long().cumprod(-1).sum(-1) - 1              # -1 across trees
+        split = (lca_depth + 1).clamp(max=paths.shape[1] - 1)
+        a = paths.gather(1, split).clamp_min(0)
+        b = paths.t().gather(0, split).clamp_min(0)
+        lca = paths.gather(1, lca_depth.clamp_min(0)).clamp_min(0)
+        n = self.num_leaves
+        pair = (lca_depth >= 0) & ~torch.eye(n, dtype=torch.bool, device=paths.device)
+        return a, b, lca, pair
+
     def parent_unified(self) -> Tensor:
         """``[M]`` unified index of each unified node's parent, ``-1`` for roots."""
         n, i = self.num_leaves, self.num_internal

@@ -65,15 +65,8 @@ def _dense_weights(st, q: Tensor, k: Tensor, include_self: bool, scale: float,
     total = torch.cat([stats.total_leaf, stats.total_internal[:-1]]).transpose(0, 1)  # [H, M]
     log_m = torch.cat([stats.log_m_leaf, stats.log_m_internal[:-1]]).transpose(0, 1)
 
-    # Children of the lowest common ancestor holding i and j.
-    paths = st.leaf_paths()                                      # [N, depth + 1]
-    same = (paths.unsqueeze(1) == paths.unsqueeze(0)) & (paths.unsqueeze(1) >= 0)
-    lca_depth = same.long().cumprod(-1).sum(-1) - 1              # [N, N], -1 across trees
-    split = (lca_depth + 1).clamp(max=paths.shape[1] - 1)
-    a = paths.gather(1, split).clamp_min(0)                       # A holds i (row)
-    b = paths.t().gather(0, split).clamp_min(0)                   # B holds j (column)
-    lca = paths.gather(1, lca_depth.clamp_min(0)).clamp_min(0)
-    off_diagonal = (lca_depth >= 0) & ~torch.eye(n, dtype=torch.bool, device=q.device)
+    # Children A (holding i) and B (holding j) of the lowest common ancestor of i and j.
+    a, b, lca, off_diagonal = st.pair_blocks()
     # Mask the exponent, not the result, so that junk on masked pairs (the diagonal,
     # other trees) cannot turn into NaN gradients.
     log_theta = log_m[:, lca] + logits[:, a, b] - total[:, a]

@@ -23,7 +23,7 @@ of a forest, for inspection on modest ``N``):
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
@@ -43,22 +43,6 @@ def _check_qk(q: Tensor, k: Tensor, st: TreeStructure) -> None:
                          f"{tuple(k.shape)}")
     if q.shape[0] != st.num_leaves:
         raise ValueError(f"q has {q.shape[0]} rows but the tree has {st.num_leaves} leaves")
-
-
-def _sibling_pairs(st: TreeStructure) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """For every pair of leaves ``(i, j)``: the unified indices of the children ``A``
-    (holding ``i``) and ``B`` (holding ``j``) of their lowest common ancestor, the
-    ancestor itself, and whether ``i != j`` share a tree (``[N, N]`` each)."""
-    paths = st.leaf_paths()                                      # [N, depth + 2]
-    same = (paths.unsqueeze(1) == paths.unsqueeze(0)) & (paths.unsqueeze(1) >= 0)
-    lca_depth = same.long().cumprod(-1).sum(-1) - 1              # -1 across trees
-    split = (lca_depth + 1).clamp(max=paths.shape[1] - 1)
-    a = paths.gather(1, split).clamp_min(0)
-    b = paths.t().gather(0, split).clamp_min(0)
-    lca = paths.gather(1, lca_depth.clamp_min(0)).clamp_min(0)
-    n = st.num_leaves
-    pair = (lca_depth >= 0) & ~torch.eye(n, dtype=torch.bool, device=paths.device)
-    return a, b, lca, pair
 
 
 def softmax_weights(q: Tensor, k: Tensor, tree, scale: Optional[float] = None) -> Tensor:
@@ -133,7 +117,7 @@ def block_average_weights(p: Tensor, tree) -> Tensor:
         raise ValueError(f"p must be [H, {n}, {n}] for a tree of {n} leaves, got "
                          f"{tuple(p.shape)}")
     heads = p.shape[0]
-    a, b, lca, pair = _sibling_pairs(st)
+    a, b, lca, pair = st.pair_blocks()
     a, b, lca, values = a[pair], b[pair], lca[pair], p[:, pair]        # one entry per pair
     blocks, block_of = torch.unique(a * m + b, return_inverse=True)
     block_sum = p.new_zeros(heads, blocks.numel()).index_add_(1, block_of, values)
@@ -215,7 +199,7 @@ def pooled_softmax_weights(q: Tensor, k: Tensor, tree, scale: Optional[float] = 
     log_m_leaf = torch.cat([log_m_internal, null])[st.leaf_parent] + log_mu[:n]
     log_m = torch.cat([log_m_leaf, log_m_internal]).t()                 # [H, M]
 
-    a, b, lca, pair = _sibling_pairs(st)
+    a, b, lca, pair = st.pair_blocks()
     log_theta = log_m[:, lca] + z[:, a, b] - total[:, a]
     theta = torch.exp(log_theta.masked_fill(~pair, float("-inf")))
     return theta + torch.diag_embed(log_m_leaf.t().exp())

@@ -95,3 +95,27 @@ def test_bad_appends_raise():
         cache.append(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
     with pytest.raises(ValueError, match="depth must be an int >= 1"):
         cache.append(x, x, x, depth=0)
+
+
+def test_absurd_depth_is_refused_at_once():
+    # an absurd depth once ran for minutes, opening one level per unit of depth
+    import time
+
+    cache = HSACache()
+    q = torch.randn(2, 4)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="max_depth"):
+        cache.append(q, q, q, depth=10**9)
+    assert time.perf_counter() - start < 1.0
+    deep = HSACache(max_depth=10**9)   # a deeper cache is one argument away
+    assert deep.max_depth == 10**9
+    with pytest.raises(ValueError, match="max_depth"):
+        HSACache(max_depth=0)
+
+
+def test_mixed_dtypes_across_appends_are_refused():
+    cache = HSACache()
+    q = torch.randn(2, 4)
+    cache.append(q, q, q, depth=2)
+    with pytest.raises(ValueError, match="float64"):
+        cache.append(q.double(), q.double(), q.double())
