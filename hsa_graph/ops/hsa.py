@@ -55,7 +55,13 @@ class _LogAddExp(torch.autograd.Function):
 
 def _logaddexp(a: Tensor, b: Tensor) -> Tensor:
     """``log(e^a + e^b)``, ``-inf`` with zero gradients where both are ``-inf``, and
-    twice differentiable (see :class:`_LogAddExp`)."""
+    twice differentiable (see :class:`_LogAddExp`). A broadcast operand is expanded
+    first: ``torch.logaddexp`` over broadcast strides runs several times slower on CPU
+    than a copy and the dense kernel."""
+    if a.shape != b.shape:
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        a = a if a.shape == shape else a.expand(shape).contiguous()
+        b = b if b.shape == shape else b.expand(shape).contiguous()
     return _LogAddExp.apply(a, b)
 
 
