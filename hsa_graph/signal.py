@@ -533,13 +533,7 @@ class NestedSignal(Data):
                              "leaf code -1")
         geometry = GEOMETRIES[code]  # an integer code names the same geometry
         if keys is not None:
-            if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-                raise TypeError(f"keys must be a sequence of one str per child, got the "
-                                f"{type(keys).__name__} {keys!r:.40}")
-            keys = list(keys)
-            if len(keys) != len(children):
-                raise ValueError(f"keys must have one entry per child ({len(children)}), "
-                                 f"got {len(keys)}")
+            keys = _one_per_child(keys, "keys", "str", len(children))
             bad = [i for i, k in enumerate(keys) if not isinstance(k, str)]
             if bad:
                 raise TypeError(f"key {bad[0]} is a {type(keys[bad[0]]).__name__} "
@@ -547,13 +541,7 @@ class NestedSignal(Data):
         if geometry == "keyvalue" and keys is None:
             raise ValueError("a keyvalue root needs one key per child (keys=...)")
         if positions is not None:
-            if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
-                raise TypeError(f"positions must be a sequence of one position per child, "
-                                f"got the {type(positions).__name__} {positions!r:.40}")
-            positions = list(positions)
-            if len(positions) != len(children):
-                raise ValueError(f"positions must have one entry per child ({len(children)}), "
-                                 f"got {len(positions)}")
+            positions = _one_per_child(positions, "positions", "position", len(children))
         if geometry == "grid" and positions is None:
             raise ValueError("a grid root needs (row, col) positions for its children")
         if sibling_edges is not None:
@@ -1260,3 +1248,16 @@ def _check_sibling_edges(edges: Tensor, parent: Tensor, geometry: Tensor) -> Ten
         raise ValueError(f"sibling edge ({int(edges[0, e])}, {int(edges[1, e])}) is under node "
                          f"{int(pa[e])}, whose geometry is not 'graph'")
     return edges
+
+
+def _one_per_child(values, name: str, what: str, count: int) -> list:
+    """``values`` as a list of one entry per child (``keys``, ``positions`` of ``join``),
+    or a ``TypeError`` / ``ValueError`` that names the argument."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of one {what} per child, got the "
+                        f"{type(values).__name__} {values!r:.40}")
+    values = list(values)
+    if len(values) != count:
+        raise ValueError(f"{name} must have one entry per child ({count}), got "
+                         f"{len(values)}")
+    return values
