@@ -515,15 +515,8 @@ class NestedSignal(Data):
             >>> doc.tokens, doc.span[:2].tolist()   # spans stay offsets into each text
             (['A', 'b', '.', 'C', '.'], [[-1, -1], [0, 4]])
         """
-        if isinstance(children, NestedSignal) or not isinstance(children, Iterable):
-            raise TypeError(f"join takes a sequence of NestedSignal trees, got the "
-                            f"{type(children).__name__}")
-        children = list(children)
-        if not children:
-            raise ValueError("join needs at least one child tree")
+        children = _tree_list(children, "join", "child tree", "child", batches=True)
         for i, child in enumerate(children):
-            if not isinstance(child, NestedSignal):
-                raise TypeError(f"child {i} is a {type(child).__name__}, not a NestedSignal")
             if child.structure.num_trees != 1:
                 raise ValueError(f"child {i} is a forest of {child.structure.num_trees} "
                                  "trees; join takes single-rooted trees")
@@ -738,15 +731,7 @@ def collate(trees: Sequence[NestedSignal]) -> Batch:
         ValueError: the list is empty, or two trees cannot share a batch (naming both,
             the attribute and how they differ).
     """
-    if isinstance(trees, NestedSignal) or not isinstance(trees, Iterable):
-        raise TypeError(f"collate takes a sequence of NestedSignal trees, got the "
-                        f"{type(trees).__name__}")
-    trees = list(trees)
-    if not trees:
-        raise ValueError("collate needs at least one tree")
-    for i, tree in enumerate(trees):
-        if not isinstance(tree, NestedSignal) or isinstance(tree, Batch):
-            raise TypeError(f"item {i} is a {type(tree).__name__}, not a NestedSignal tree")
+    trees = _tree_list(trees, "collate", "tree", "item", batches=False)
     first = trees[0]
     names = set(first.keys())
     for i, tree in enumerate(trees[1:], 1):
@@ -1260,4 +1245,22 @@ def _one_per_child(values, name: str, what: str, count: int) -> list:
     if len(values) != count:
         raise ValueError(f"{name} must have one entry per child ({count}), got "
                          f"{len(values)}")
+    return values
+
+
+def _tree_list(values, who: str, noun: str, item: str, batches: bool) -> list:
+    """``values`` as a non-empty list of trees for ``join`` / ``collate``, or a
+    ``TypeError`` / ``ValueError`` naming the offending item (``batches``: whether a PyG
+    ``Batch`` of trees counts as a tree)."""
+    if isinstance(values, NestedSignal) or not isinstance(values, Iterable):
+        raise TypeError(f"{who} takes a sequence of NestedSignal trees, got the "
+                        f"{type(values).__name__}")
+    values = list(values)
+    if not values:
+        raise ValueError(f"{who} needs at least one {noun}")
+    for i, value in enumerate(values):
+        if not isinstance(value, NestedSignal):
+            raise TypeError(f"{item} {i} is a {type(value).__name__}, not a NestedSignal")
+        if not batches and isinstance(value, Batch):
+            raise TypeError(f"{item} {i} is a {type(value).__name__}, not a NestedSignal tree")
     return values
