@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from torch.nn import Linear, Module, ModuleDict, Parameter
 from torch_geometric.utils import get_laplacian, to_dense_adj, to_undirected
 
 from .signal import GEOMETRIES
+from .structure import Groups
 
 __all__ = [
     "FieldNameEmbedding",
@@ -335,22 +336,16 @@ class FieldNameEmbedding(Module):
 
 
 # ----------------------------------------------------------------- family graphs
-def _families(family: Tensor):
-    """Graphs of any integer labels ``family [n]`` as contiguous ids ``fam [n]``, each
-    node's slot in its graph (node order), the sizes ``[F]`` and the nodes sorted by
-    graph (the encodings take any labelled graphs, not only a tree's families)."""
-    _, fam = torch.unique(family, return_inverse=True)
-    order = torch.sort(fam, stable=True).indices
-    sizes = torch.bincount(fam)
-    start = torch.cumsum(sizes, 0) - sizes
-    slot = torch.empty_like(fam)
-    slot[order] = torch.arange(fam.numel(), device=fam.device) - start[fam[order]]
-    return fam, slot, sizes, order
-
-
-def _check_family_graph(edge_index: Tensor, family: Tensor, name: str) -> Tuple[Tensor, Tensor]:
-    if not isinstance(family, Tensor) or family.dim() != 1 or family.is_floating_point():
-        raise ValueError(f"{name}: family must be an integer tensor [n]")
+def _family_graph(edge_index: Tensor, family: Union[Tensor, Groups], width: int, name: str
+                  ) -> Tuple[Tensor, Groups, Tensor]:
+    """Checked undirected edges, the node groups and a zero float64 output ``[n, width]``."""
+    if isinstance(family, Groups):
+        groups = family
+        family = groups.group
+    elif not isinstance(family, Tensor) or family.dim() != 1 or family.is_floating_point():
+        raise ValueError(f"{name}: family must be an integer tensor [n] or Groups")
+    else:
+        groups = None
     n = family.numel()
     edge_index = torch.as_tensor(edge_index, device=family.device)
     if edge_index.dim() != 2 or edge_index.shape[0] != 2 or edge_index.is_floating_point():
@@ -364,7 +359,9 @@ def _check_family_graph(edge_index: Tensor, family: Tensor, name: str) -> Tuple[
         e = int(across.nonzero()[0])
         raise ValueError(f"{name}: edge ({int(edge_index[0, e])}, {int(edge_index[1, e])}) "
                          "joins nodes of different families")
-    return edge_index, family.long()
+    groups = groups if groups is not None else Groups.of_labels(family.long())
+    out = torch.zeros(n, width, dtype=torch.float64, device=family.device)
+    return to_undirected(edge_index, num_nodes=n), groups, out
 
 
 def _next_power_of_two(x: Tensor) -> Tensor:
@@ -376,8 +373,8 @@ def _eigh_batches(sizes: Tensor, dense_limit: int):
     of bounded memory, for one batched dense eigendecomposition each; ``b = None`` for
     graphs above ``dense_limit``. (Not :class:`~hsa_graph.TreeStructure`'s buckets:
     these graphs are any labelled node sets, and ``eigh`` batches want few sizes.)"""
-    padded = _next_power_of_two(sizes)
-    for b in torch.unique(padded).tolist():
+    padded = torch.where(sizes > 0, _next_power_of_two(sizes), 0)
+    for b in torch.unique(padded[padded > 0]).tolist():
         fams = (padded == b).nonzero().flatten()
         if b > dense_limit:
             for f in fams.tolist():
@@ -414,7 +411,7 @@ def _fix_signs(vectors: Tensor) -> Tensor:
     return vectors * torch.where(sign == 0, 1.0, sign).to(vectors.dtype)
 
 
-def laplacian_encoding(edge_index: Tensor, family: Tensor, k: int,
+def laplacian_encoding(edge_index: Tensor, family: Union[Tensor, Groups], k: int,
                        dense_limit: int = 2048) -> Tensor:
     r"""Laplacian-eigenvector encodings of many small graphs at once.
 
@@ -433,7 +430,9 @@ def laplacian_encoding(edge_index: Tensor, family: Tensor, k: int,
 
     Args:
         edge_index: ``[2, E]`` edges between nodes ``0 .. n-1``.
-        family: ``[n]`` the graph of each node (any integer labels).
+        family: ``[n]`` the graph of each node (any integer labels), or the nodes
+            already grouped (:class:`~hsa_graph.structure.Groups`, e.g. a tree's
+            families from :meth:`~hsa_graph.TreeStructure.family_groups`).
         k: number of eigenvectors.
         dense_limit: largest family handled by dense batched ``eigh``.
 
@@ -448,13 +447,10 @@ def laplacian_encoding(edge_index: Tensor, family: Tensor, k: int,
     """
     if k < 1:
         raise ValueError(f"laplacian_encoding: k must be positive, got {k}")
-    edge_index, family = _check_family_graph(edge_index, family, "laplacian_encoding")
-    n = family.numel()
-    out = torch.zeros(n, k, dtype=torch.float64, device=family.device)
+    edge_index, groups, out = _family_graph(edge_index, family, k, "laplacian_encoding")
+    n, fam, slot, sizes = out.shape[0], groups.group, groups.slot, groups.sizes
     if n == 0:
         return out.to(torch.get_default_dtype())
-    edge_index = to_undirected(edge_index, num_nodes=n)
-    fam, slot, sizes, _ = _families(family)
     lap_index, lap_weight = get_laplacian(edge_index, normalization="sym",
                                           dtype=torch.float64, num_nodes=n)
     for b, fams in _eigh_batches(sizes, dense_limit):
@@ -495,7 +491,7 @@ def _laplacian_sparse(edge_index: Tensor, fam: Tensor, slot: Tensor, f: int, k: 
     out[members[torch.argsort(slot[members])], :kk] = pe
 
 
-def random_walk_encoding(edge_index: Tensor, family: Tensor, walk_length: int,
+def random_walk_encoding(edge_index: Tensor, family: Union[Tensor, Groups], walk_length: int,
                          dense_limit: int = 2048) -> Tensor:
     r"""Random-walk encodings of many small graphs at once.
 
@@ -509,7 +505,8 @@ def random_walk_encoding(edge_index: Tensor, family: Tensor, walk_length: int,
 
     Args:
         edge_index: ``[2, E]`` edges between nodes ``0 .. n-1``.
-        family: ``[n]`` the graph of each node.
+        family: ``[n]`` the graph of each node, or :class:`~hsa_graph.structure.Groups`
+            (as in :func:`laplacian_encoding`).
         walk_length: ``L``.
         dense_limit: largest family handled densely.
 
@@ -523,14 +520,12 @@ def random_walk_encoding(edge_index: Tensor, family: Tensor, walk_length: int,
     """
     if walk_length < 1:
         raise ValueError(f"random_walk_encoding: walk_length must be positive, got {walk_length}")
-    edge_index, family = _check_family_graph(edge_index, family, "random_walk_encoding")
-    n = family.numel()
-    out = torch.zeros(n, walk_length, dtype=torch.float64, device=family.device)
-    if n == 0:
+    edge_index, groups, out = _family_graph(edge_index, family, walk_length,
+                                            "random_walk_encoding")
+    fam, slot, sizes = groups.group, groups.slot, groups.sizes
+    if out.shape[0] == 0:
         return out.to(torch.get_default_dtype())
-    edge_index = to_undirected(edge_index, num_nodes=n)
-    fam, slot, sizes, _ = _families(family)
-    ones = torch.ones(edge_index.shape[1], dtype=torch.float64, device=family.device)
+    ones = torch.ones(edge_index.shape[1], dtype=torch.float64, device=out.device)
     for b, fams in _eigh_batches(sizes, dense_limit):
         members = torch.isin(fam, fams).nonzero().flatten()
         if b is None:
@@ -548,8 +543,8 @@ def random_walk_encoding(edge_index: Tensor, family: Tensor, walk_length: int,
             power = power @ walk
             steps.append(power.diagonal(dim1=-2, dim2=-1))
         pe = torch.stack(steps, -1)                                   # [F, b, L]
-        rank = torch.full((sizes.numel(),), -1, dtype=torch.long, device=family.device)
-        rank[fams] = torch.arange(fams.numel(), device=family.device)
+        rank = torch.full((sizes.numel(),), -1, dtype=torch.long, device=fam.device)
+        rank[fams] = torch.arange(fams.numel(), device=fam.device)
         out[members] = pe[rank[fam[members]], slot[members]]
     return out.to(torch.get_default_dtype())
 
@@ -675,7 +670,7 @@ class PositionEncoder(Module):
                                      "has no string key")
                 feat = self.field_names(names)
             else:
-                feat = self._graph(tree, nodes, parent[nodes], device)
+                feat = self._graph(tree, nodes, device)
             out[name] = (nodes, feat.to(device=device, dtype=dtype))
         return out
 
@@ -702,7 +697,7 @@ class PositionEncoder(Module):
             return grid_encoding(position, self.dim, kind="sinusoidal")
         return fourier_encoding(position, self.grid_frequencies)
 
-    def _graph(self, tree, nodes: Tensor, family: Tensor, device: torch.device) -> Tensor:
+    def _graph(self, tree, nodes: Tensor, device: torch.device) -> Tensor:
         local = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=device)
         local[nodes] = torch.arange(nodes.numel(), device=device)
         edges = tree.sibling_edge_index.to(device)
@@ -711,9 +706,10 @@ class PositionEncoder(Module):
             e = int((edges < 0).any(0).nonzero()[0])
             raise ValueError(f"sibling edge {tuple(tree.sibling_edge_index[:, e].tolist())} "
                              "is not between children of a 'graph' node")
+        families = tree.structure_for(device).family_groups(nodes)
         if self.graph == "laplacian":
-            return laplacian_encoding(edges, family, self.graph_dim)
-        return random_walk_encoding(edges, family, self.graph_dim)
+            return laplacian_encoding(edges, families, self.graph_dim)
+        return random_walk_encoding(edges, families, self.graph_dim)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.out_dim}, heads={self.heads}, "

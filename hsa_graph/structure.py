@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex",
+__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex", "Groups",
            "TreeStructure"]
 
 
@@ -107,6 +107,33 @@ class FamilyIndex:
     parent_bucket: Tensor
     parent_family: Tensor
     only_child: Tensor
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Nodes grouped into families (see :meth:`TreeStructure.family_groups`).
+
+    Attributes:
+        group: ``[n]`` the family of each node, an id in ``0 .. G - 1``.
+        slot: ``[n]`` each node's position in its family, ``0 .. size - 1``.
+        sizes: ``[G]`` members per family (0 for an id no node has).
+    """
+
+    group: Tensor
+    slot: Tensor
+    sizes: Tensor
+
+    @staticmethod
+    def of_labels(labels: Tensor) -> Groups:
+        """Nodes grouped by any integer ``labels [n]`` (slots in node order), for node sets
+        that are not a tree's families."""
+        _, group = torch.unique(labels, return_inverse=True)
+        order = torch.sort(group, stable=True).indices
+        sizes = torch.bincount(group)
+        start = torch.cumsum(sizes, 0) - sizes
+        slot = torch.empty_like(group)
+        slot[order] = torch.arange(group.numel(), device=group.device) - start[group[order]]
+        return Groups(group=group, slot=slot, sizes=sizes)
 
 
 @dataclass(frozen=True)
@@ -408,6 +435,34 @@ class TreeStructure:
         return FamilyIndex(members=members, node_bucket=node_bucket, node_family=node_family,
                            node_pos=node_pos, parent_bucket=parent_bucket,
                            parent_family=parent_family, only_child=only_child)
+
+    @_lazy_field
+    def bucket_depths(self) -> List[Tuple[int, ...]]:
+        """For each depth ``0 .. max_depth + 1``, the buckets with a member at that depth
+        (Python ints, so passes that go depth by depth never ask the device)."""
+        depth_pad = torch.cat([self.depth, self.depth.new_full((1,), -1)])
+        out: List[List[int]] = [[] for _ in range(self.max_depth + 2)]
+        for g, members in enumerate(self.family_index.members):
+            for d in torch.unique(depth_pad[members]).tolist():
+                if d >= 0:
+                    out[d].append(g)
+        return [tuple(b) for b in out]
+
+    def family_groups(self, nodes: Tensor) -> Groups:
+        """The sibling families of ``nodes`` ``[n]`` (original node ids), read from
+        :attr:`family_index`: nodes are grouped by parent, an only child or a root is a
+        family of one."""
+        index = self.family_index
+        u = self.unified_of_node[nodes]
+        counts = [b.num_families for b in self.buckets]
+        offset = torch.tensor([0] + counts, device=self.device).cumsum(0)
+        bucket = index.node_bucket[u]
+        alone = bucket < 0
+        group = torch.where(alone, sum(counts) + alone.long().cumsum(0) - 1,
+                            offset[bucket.clamp_min(0)] + index.node_family[u])
+        slot = torch.where(alone, 0, index.node_pos[u])
+        sizes = torch.bincount(group, minlength=sum(counts))
+        return Groups(group=group, slot=slot, sizes=sizes)
 
     # ------------------------------------------------------------------ passes
     # Every pass below is vectorised over the nodes of one depth and loops only over

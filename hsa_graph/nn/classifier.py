@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 from torch.nn import Dropout, Linear, Module, Sequential
+from torch_geometric.nn.inits import reset
 from torch_geometric.nn.resolver import activation_resolver
 
 from .attention import ATTENTIONS, _structure, attention_tree, leaf_modalities
@@ -112,9 +113,7 @@ class TreeClassifier(Module):
         """Re-initialise the input projection, the encoder and the MLP."""
         self.input.reset_parameters()
         self.encoder.reset_parameters()
-        for module in self.mlp:
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset(self.mlp)
 
     def num_parameters(self) -> int:
         """Number of trainable parameters."""

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Dropout, LayerNorm, Linear, Module, ModuleList, Sequential
+from torch_geometric.nn.inits import reset
 from torch_geometric.nn.resolver import activation_resolver
 
 from ..geometry import FieldNameEmbedding
@@ -99,9 +100,7 @@ class HierarchicalTransformerEncoderLayer(Module):
         """Re-initialise the attention, the norm and the feed-forward network."""
         self.attn.reset_parameters()
         self.norm.reset_parameters()
-        for module in self.ffn:
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset(self.ffn)
 
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
         """``[N, C] -> [N, C]``."""
@@ -166,9 +165,7 @@ class HSATransformerEncoderLayer(Module):
         self.norm1.reset_parameters()
         self.attn.reset_parameters()
         self.norm2.reset_parameters()
-        for module in self.ffn:
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset(self.ffn)
 
     def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
         """``[N, C] -> [N, C]``."""

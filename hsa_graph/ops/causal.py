@@ -301,6 +301,36 @@ def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, pos_dots: Optional[Ten
     return z.masked_fill(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
 
 
+class _TileView:
+    """The layouts of one tile group ``g``: node tables ``[H, M + 1, ...]``, family
+    tables ``[H, F, b, ...]``, leaf rows ``[H, N, ...]``, tiles ``[H, R, T, ...]``."""
+
+    def __init__(self, g: CausalTiles) -> None:
+        self.g = g
+        self.f, self.b, self.t, self.r = g.members.shape[0], g.size, g.tile, g.num_tiles
+
+    def member_table(self, table: Tensor) -> Tensor:     # [H, M + 1, ...] -> [H, F, b, ...]
+        out = table.index_select(1, self.g.members.flatten())
+        return out.view(table.shape[0], self.f, self.b, *table.shape[2:])
+
+    def per_tile(self, table: Tensor) -> Tensor:         # [H, F, ...] -> [H, R, ...]
+        return table if self.r == self.f else table.index_select(1, self.g.tile_family)
+
+    def slots(self, table: Tensor) -> Tensor:            # [H, N, ...] -> [H, R, T, ...]
+        g = self.g
+        out = table[:, g.rows[0]:g.rows[1]] if g.rows is not None else (
+            table.index_select(1, g.slot_row))
+        return out.reshape(table.shape[0], self.r, self.t, *table.shape[2:])
+
+    def per_slot(self, table: Tensor) -> Tensor:         # [H, F, b, ...] -> [H, R, T, ...]
+        rows = table.reshape(table.shape[0], self.f * self.b, *table.shape[3:])
+        return rows.index_select(1, self.g.slot_index).view(
+            table.shape[0], self.r, self.t, *table.shape[3:])
+
+    def flat(self, x: Tensor) -> Tensor:                 # [H, R, T, ...] -> [H, R * T, ...]
+        return x.reshape(x.shape[0], self.r * self.t, *x.shape[3:])
+
+
 def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
                 leaf_k: Tensor, scale: float) -> SpineStep:
     r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
@@ -323,29 +353,10 @@ def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
     \eta_i(S))`. All queries of a tile share one family, so each product is one
     batched matmul ``[T, D] x [D, b]`` per tile, never a per-query gather of members.
     """
-    f, b, t, r = g.members.shape[0], g.size, g.tile, g.num_tiles
-
-    def member_table(table: Tensor) -> Tensor:          # [H, M + 1, ...] -> [H, F, b, ...]
-        out = table.index_select(1, g.members.flatten())
-        return out.view(table.shape[0], f, b, *table.shape[2:])
-
-    def per_tile(table: Tensor) -> Tensor:               # [H, F, ...] -> [H, R, ...]
-        return table if r == f else table.index_select(1, g.tile_family)
-
-    def slots(table: Tensor) -> Tensor:                  # leaf rows [H, N, ...] -> [H, R, T, ...]
-        if g.rows is not None:
-            out = table[:, g.rows[0]:g.rows[1]]
-        else:
-            out = table.index_select(1, g.slot_row)
-        return out.reshape(table.shape[0], r, t, *table.shape[2:])
-
-    def per_slot(table: Tensor) -> Tensor:               # [H, F, b, ...] -> [H, R, T, ...]
-        rows = table.reshape(table.shape[0], f * b, *table.shape[3:])
-        return rows.index_select(1, g.slot_index).view(table.shape[0], r, t, *table.shape[3:])
-
-    def flat(x: Tensor) -> Tensor:                       # [H, R, T, ...] -> [H, R * T, ...]
-        return x.reshape(x.shape[0], r * t, *x.shape[3:])
-
+    b, r, t = g.size, g.num_tiles, g.tile
+    view = _TileView(g)
+    member_table, per_tile, slots, per_slot, flat = (
+        view.member_table, view.per_tile, view.slots, view.per_slot, view.flat)
     mq, mk, mv = nodes.members(0, g), nodes.members(1, g), nodes.members(2, g)
     log_n, size_m = nodes.log_size[g.members], nodes.size[g.members]        # [F, b]
     pos_dots = None

@@ -139,11 +139,12 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
     lse = q.new_full((nq, h), NEG_INF)
     out = v.new_zeros(nq, h, dv)
 
-    def merge(sel: Tensor, side: Tensor, mem: Tensor, valid: Tensor) -> None:
-        """Blocks ``mem`` ``[Q, b]`` of queries ``sel``, scored from the query's side
-        ``side`` ``[Q]`` (the node whose position stands for the query)."""
+    def merge(side: Tensor, mem: Tensor, valid: Tensor) -> None:
+        """Blocks ``mem`` ``[Nq, b]`` of every query (``valid`` ``[Nq, b]`` says which are
+        its blocks), scored from the query's side ``side`` ``[Nq]`` (the node whose
+        position stands for the query)."""
         nonlocal lse, out
-        logits = (torch.einsum("qhd,qbhd->qhb", q[sel], rk[mem]) * scale
+        logits = (torch.einsum("qhd,qbhd->qhb", q, rk[mem]) * scale
                   + log_size[mem][:, None, :])
         if node_pos is not None:
             logits = logits + torch.einsum("qhp,qbhp->qhb", node_pos[side], node_pos[mem])
@@ -154,47 +155,41 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
         logits = logits.masked_fill(empty, 0.0)
         g_lse = torch.logsumexp(logits, -1).masked_fill(empty[..., 0], NEG_INF)   # [Q, H]
         g_out = torch.einsum("qhb,qbhd->qhd", torch.softmax(logits, -1), rv[mem])
-        old = lse[sel]
+        old = lse
         new = _logaddexp(old, g_lse)
         # shares of the old and the new part; where new is -inf both parts are empty
         # and the shift by 0 keeps the exponents -inf (not NaN, for the gradients too)
         shift = new.masked_fill(new == NEG_INF, 0.0)
         keep, take = (old - shift).exp(), (g_lse - shift).exp()
-        mixed = out[sel] * keep.unsqueeze(-1) + g_out * take.unsqueeze(-1)
-        lse = lse.index_copy(0, sel, new)
-        out = out.index_copy(0, sel, mixed)
+        lse, out = new, out * keep.unsqueeze(-1) + g_out * take.unsqueeze(-1)
+
+    # Which depths the anchors sit at: the one host sync of a call; every depth loop
+    # below takes its buckets from the structure and masks the queries it does not hold.
+    depth_pad = torch.cat([st.depth, st.depth.new_full((1,), -1)])
+    anchor_depths = torch.unique(st.depth[anchors]).tolist()
 
     # 1. the children of the anchor (the anchor itself when it is a leaf, unless
     #    include_self is False; its only child when it has one): all members are blocks.
     is_leaf = anchors < n
     row = (anchors - n).clamp_min(0)
     group = torch.where(is_leaf, -1, index.parent_bucket[row])
-    for g in torch.unique(group).tolist():
-        sel = (group == g).nonzero().flatten()
-        if g < 0:  # a single block: the leaf anchor, or the only child of the anchor
-            leaf = is_leaf[sel]
-            mem = torch.where(leaf, anchors[sel], index.only_child[row[sel]])[:, None]
-            valid = (mem < m) & ~(leaf[:, None] & (not include_self))
-        else:
-            mem = members[g][index.parent_family[row[sel]]]
-            valid = mem < m
-        merge(sel, anchors[sel], mem, valid)
+    single = (group < 0)[:, None]  # a single block: the leaf anchor, or its only child
+    mem = torch.where(is_leaf, anchors, index.only_child[row])[:, None]
+    merge(anchors, mem, single & (mem < m) & ~(is_leaf[:, None] & (not include_self)))
+    child_buckets = {g for d in anchor_depths if d + 1 < len(st.bucket_depths)
+                     for g in st.bucket_depths[d + 1]}
+    for g in sorted(child_buckets):
+        mem = members[g][torch.where(group == g, index.parent_family[row], 0)]
+        merge(anchors, mem, (group == g)[:, None] & (mem < m))
 
-    # 2. the siblings of each ancestor-or-self C of the anchor, one depth at a time,
-    #    scored from C's side.
+    # 2. the siblings of each ancestor-or-self C of the anchor, deepest C first, scored
+    #    from C's side.
     node = anchors
-    for _ in range(int(st.depth.max()) + 1):
-        alive = (node < m) & (parent_u[node.clamp_max(m)] >= 0)
-        if not bool(alive.any()):
-            break
-        safe = torch.where(alive, node, m)
-        bucket_of = torch.where(alive, node_bucket[safe], -1)
-        for g in torch.unique(bucket_of).tolist():
-            if g < 0:
-                continue
-            sel = (bucket_of == g).nonzero().flatten()
-            mem = members[g][node_family[safe[sel]]]
-            valid = (mem < m) & (mem != safe[sel][:, None])
-            merge(sel, safe[sel], mem, valid)
-        node = torch.where(alive, parent_u[safe], m)
+    for d in range(max(anchor_depths, default=0), 0, -1):
+        at_d = depth_pad[node] == d
+        for g in st.bucket_depths[d]:
+            here = at_d & (node_bucket[node] == g)
+            mem = members[g][torch.where(here, node_family[node], 0)]
+            merge(node, mem, here[:, None] & (mem < m) & (mem != node[:, None]))
+        node = torch.where(at_d, parent_u[node], node)
     return out
