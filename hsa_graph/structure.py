@@ -31,6 +31,12 @@ __all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIn
            "TreeStructure"]
 
 
+def records_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records operations on ``tensors``: where it does not, the passes
+    overwrite their own buffers instead of allocating one per level."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _lazy_field:
     """A field of the structure built on first use and then stored on the instance
     (``functools.cached_property`` takes a lock on Python 3.11 that ``torch.compile``
@@ -468,18 +474,21 @@ class TreeStructure:
     # Every pass below is vectorised over the nodes of one depth and loops only over
     # depths: the operator, pooling and the dense matrix all go through them.
 
-    def to_internal(self, leaf_values: Tensor) -> Tensor:
-        """Sum leaf rows ``[N, ...]`` into their parents: ``[I + 1, ...]`` (null row last)."""
-        out = leaf_values.new_zeros((self.num_internal + 1, *leaf_values.shape[1:]))
+    def to_internal(self, leaf_values: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """Sum leaf rows ``[N, ...]`` into their parents: ``[I + 1, ...]`` (null row last,
+        zero). ``out``: a zero-filled ``[I + 1, ...]`` buffer (e.g. a slice of a wider
+        one) to add into, in place, instead of a new tensor."""
+        if out is None:
+            out = leaf_values.new_zeros((self.num_internal + 1, *leaf_values.shape[1:]))
         whole = self.whole_leaf_bucket
         if whole is not None:  # leaves are contiguous families: a reshape and a sum
             whole = self.buckets[whole]
             # trailing dims flattened: the reduction then runs over long contiguous rows
             sums = leaf_values.reshape(whole.num_families, whole.size, -1).sum(1)
-            return out.index_copy(0, whole.parent, sums.view(-1, *leaf_values.shape[1:]))
-        out = out.index_add(0, self.leaf_parent, leaf_values)
+            return out.index_copy_(0, whole.parent, sums.view(-1, *leaf_values.shape[1:]))
+        out.index_add_(0, self.leaf_parent, leaf_values)
         if self.lonely_leaf.numel():  # leaves that are roots added into the null row
-            out = torch.cat([out[:-1], out.new_zeros((1, *out.shape[1:]))])
+            out[-1:].zero_()
         return out
 
     @property
@@ -491,16 +500,29 @@ class TreeStructure:
         return None
 
     def bottom_up(self, leaf_part: Tensor,
-                  combine: Optional[Callable[[Tensor, int, int], Tensor]] = None) -> Tensor:
+                  combine: Optional[Callable[[Tensor, int, int], Tensor]] = None,
+                  inplace: bool = False) -> Tensor:
         r"""Accumulate children into parents, deepest level first.
 
         ``value(A) = leaf_part(A) + sum_{C internal child of A} combine(value(C))``,
         where ``combine(values, lo, hi)`` maps the values of internal rows ``lo:hi``
         (identity when ``None``). ``leaf_part``: ``[I + 1, ...]`` (e.g. from
         :meth:`to_internal`); returns ``[I + 1, ...]`` with the null row of
-        ``leaf_part`` kept last.
+        ``leaf_part`` kept last. ``inplace`` (for a buffer made for this call, when
+        autograd records nothing: see :func:`records_grad`) writes the result into
+        ``leaf_part``.
         """
         ptr = self.level_ptr
+        if inplace:
+            # In place, level by level: no level is copied and nothing concatenated.
+            for d in range(self.max_depth - 1, -1, -1):
+                below = leaf_part[ptr[d + 1]:ptr[d + 2]]
+                if below.shape[0]:
+                    if combine is not None:
+                        below = combine(below, ptr[d + 1], ptr[d + 2])
+                    leaf_part[ptr[d]:ptr[d + 1]].index_add_(0, self.level_parent[d + 1], below)
+            return leaf_part
+        # Recorded: new tensors per level (autograd saves what the levels above read).
         levels: List[Tensor] = []
         below: Optional[Tensor] = None
         for d in range(self.max_depth, -1, -1):
@@ -527,27 +549,37 @@ class TreeStructure:
         """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (equal leading shapes,
         e.g. ``q, k, v``) in one bottom-up pass: each leaf-level sum reads its input
         once, then the small per-node sums travel up the levels together."""
-        sums = torch.cat([self.to_internal(t) for t in leaf_values], dim=-1)
-        means = self.subtree_mean_of_sums(self.bottom_up(sums))
-        return means.split([t.shape[-1] for t in leaf_values], dim=-1)
+        widths = [t.shape[-1] for t in leaf_values]
+        first = leaf_values[0]
+        sums = first.new_zeros((self.num_internal + 1, *first.shape[1:-1], sum(widths)))
+        start = 0
+        for t, width in zip(leaf_values, widths):  # narrow, not split: split's views
+            self.to_internal(t, out=sums.narrow(-1, start, width))  # refuse in-place ops
+            start += width
+        inplace = not records_grad(*leaf_values)
+        means = self.subtree_mean_of_sums(self.bottom_up(sums, inplace=inplace), inplace=True)
+        return means.split(widths, dim=-1)
 
-    def subtree_mean_of_sums(self, sums: Tensor) -> Tensor:
-        """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)``."""
+    def subtree_mean_of_sums(self, sums: Tensor, inplace: bool = False) -> Tensor:
+        """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)`` (into
+        ``sums`` itself with ``inplace``)."""
         size = torch.cat([self.internal_size, self.internal_size.new_ones(1)])
-        return sums / size.to(sums.dtype).view(-1, *([1] * (sums.dim() - 1)))
+        size = size.to(sums.dtype).view(-1, *([1] * (sums.dim() - 1)))
+        return sums.div_(size) if inplace else sums / size
 
-    def path_sum(self, delta: Tensor) -> Tensor:
+    def path_sum(self, delta: Tensor, inplace: bool = False) -> Tensor:
         r"""Top-down accumulation ``value(A) = value(pa(A)) + delta(A)``, with
         ``value(root) = 0``. ``delta``: ``[I + 1, ...]``; returns ``[I + 1, ...]``
-        (null row zero), so ``value[leaf_parent]`` is each leaf's parent's value."""
+        (null row zero), so ``value[leaf_parent]`` is each leaf's parent's value.
+        ``inplace``: write into ``delta`` (a buffer the caller made for this)."""
         ptr = self.level_ptr
-        value = delta.new_zeros((ptr[1] - ptr[0], *delta.shape[1:]))
-        levels = [value]
+        value = delta if inplace else delta.clone()
+        value[:ptr[1]].zero_()
+        value[self.num_internal:].zero_()
         for d in range(1, self.max_depth + 1):
-            value = value.index_select(0, self.level_parent[d]) + delta[ptr[d]:ptr[d + 1]]
-            levels.append(value)
-        levels.append(delta.new_zeros((1, *delta.shape[1:])))
-        return torch.cat(levels)
+            above = value[ptr[d - 1]:ptr[d]].index_select(0, self.level_parent[d])
+            value[ptr[d]:ptr[d + 1]].add_(above)
+        return value
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
                       internal_values: Tensor) -> Tensor:

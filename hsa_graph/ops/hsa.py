@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..structure import FamilyBucket, TreeStructure
+from ..structure import FamilyBucket, TreeStructure, records_grad
 from .flash import cpu_flash_attention
 from .inputs import AttentionInputs, no_autocast, prepare_attention
 
@@ -279,7 +279,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     def weighted_total(lam: Tensor, lo: int, hi: int) -> Tensor:
         return child_weight[lo:hi] * _logaddexp(lam, eta_internal[lo:hi])
 
-    lam_internal = st.bottom_up(st.to_internal(leaf_weight * total_leaf), weighted_total)
+    lam_internal = st.bottom_up(st.to_internal(leaf_weight * total_leaf), weighted_total,
+                                inplace=not records_grad(q, k, v, pos))
     total_internal = _logaddexp(lam_internal, eta_internal)
 
     # m top-down: log m(A) = log m(pa(A)) + log mu(A), m(root) = 1. The null row
@@ -379,16 +380,21 @@ def _hsa(x: AttentionInputs) -> Tensor:
     # acc(A): the sum of the internal contributions over A's ancestors-or-self, top down.
     deltas = [out * w.unsqueeze(-1) if bucket.internal_slot.numel() else None
               for bucket, out, w in zip(st.buckets, stats.bucket_out, weights)]
-    acc = st.path_sum(_internal_rows(st, deltas, 0.0, v))          # [I + 1, H, Dv]
+    acc = st.path_sum(_internal_rows(st, deltas, 0.0, v), inplace=True)          # [I + 1, H, Dv]
 
     # A leaf's output: its weighted family row plus its parent's acc, in one pass.
+    inplace = not records_grad(x.q, x.k, v, x.pos)
     rows: List[Optional[Tensor]] = []
     for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
         if not bucket.leaf_slot.numel():
             rows.append(None)
             continue
         above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
-        y = torch.addcmul(above, out.transpose(1, 2), w.transpose(1, 2).unsqueeze(-1))
+        out, w = out.transpose(1, 2), w.transpose(1, 2).unsqueeze(-1)
+        if inplace:  # the family output is this call's own buffer: written once more
+            y = out.mul_(w).add_(above)
+        else:
+            y = torch.addcmul(above, out, w)
         rows.append(y.reshape(-1, *y.shape[2:]))
     y = st.scatter_leaves(rows, 0.0, v)
     lonely = st.lonely_leaf
