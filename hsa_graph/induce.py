@@ -21,7 +21,6 @@ device.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import List, Optional, Tuple
 
@@ -131,33 +130,6 @@ def _run_starts(flag_new: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return run, start, end - start
 
 
-def _window_argmin(g: Tensor, radius: int) -> Tensor:
-    r"""``out[j]``: index of the smallest ``g`` in ``[j - radius, j + radius]`` (ties: the
-    lowest index), for every ``j``; ``O(L log radius)`` by doubling (sparse-table), no
-    ``L x radius`` tensor."""
-    length = g.numel()
-    width = 2 * radius + 1
-    span = 1 << (width.bit_length() - 1)  # largest power of two <= width
-    pad = torch.full((radius,), math.inf, dtype=g.dtype, device=g.device)
-    # after the padding, window j is [j, j + width - 1]; one spare span of +inf at the end
-    value = torch.cat([pad, g, pad, torch.full((span,), math.inf, dtype=g.dtype,
-                                               device=g.device)])
-    best = torch.arange(value.numel(), device=g.device)
-
-    def better(a: Tensor, b: Tensor) -> Tensor:
-        va, vb = value[a], value[b]
-        return torch.where((va < vb) | ((va == vb) & (a < b)), a, b)
-
-    step = 1
-    while step < span:  # best[i] = argmin over [i, i + 2 * step - 1]
-        shifted = torch.cat([best[step:], best[-1:].expand(step)])
-        best = better(best, shifted)
-        step *= 2
-    j = torch.arange(length, device=g.device)
-    out = better(best[j], best[j + width - span])
-    return out - radius
-
-
 def _relabel_by_sequence(parent: Tensor, node_seq: Tensor, n: int
                          ) -> Tuple[Tensor, Tensor]:
     """Renumber the internal nodes (ids ``>= n``) stably by sequence, so that tree ``b``
@@ -180,28 +152,27 @@ def contiguous_tree(x: Tensor, batch: Optional[Tensor] = None, *, max_children: 
     node's leaves a contiguous run (so causal HSA and :class:`~hsa_graph.HSACache` work
     on it), every family of at most ``max_children``.
 
-    **Rule.** Start with one segment per leaf. At each level, within each sequence,
-    score every gap between neighbouring segments by the similarity of their mean
-    vectors (``"cosine"``, or ``"euclidean"``: minus the squared distance), with the
-    sequence's two ends as gaps of score :math:`-\infty`. Cut at every gap whose score
-    is the lowest within ``r = max(1, (max_children - 1) // 2)`` gaps on either side
-    (ties: the leftmost); a run between cuts longer than ``max_children`` is cut again
-    into ``ceil(L / max_children)`` runs of equal size (to one segment). Each run of two
-    or more segments becomes a new node (its members in order: ``position`` is the
-    index in the run, geometry ``"sequence"``); a run of one is carried up unchanged
-    (no unary nodes). Repeat until each sequence is one segment; a sequence of a single
-    leaf gets a root over it (as :func:`~hsa_graph.hopping_window_tree`).
+    **Rule.** Start with one segment per leaf. At each level, score every gap between
+    neighbouring segments of a sequence by the similarity of their mean vectors
+    (``"cosine"``, or ``"euclidean"``: minus the squared distance). A sequence of
+    ``S`` segments is cut at its ``ceil(S / m) - 1`` lowest-scoring gaps
+    (``m = max_children``; ties: the leftmost), its strongest boundaries, and a run
+    between cuts longer than ``m`` is cut again into ``ceil(L / m)`` runs of equal size
+    (to one segment). Each run of two or more segments becomes a new node (its members
+    in order: ``position`` is the index in the run, geometry ``"sequence"``); a run of
+    one is carried up unchanged (no unary nodes). Repeat until each sequence is one
+    segment; a sequence of a single leaf gets a root over it (as
+    :func:`~hsa_graph.hopping_window_tree`).
 
-    Every run has at least ``min(S_b, r + 1) >= 2`` segments (no cut lies within
-    ``r`` of another or of an end), so each level leaves at most ``2/3`` of a
-    sequence's segments: at most ``log_{1.5} N + 1`` levels. Families have
-    ``r + 1 .. max_children`` members where the data allow (the first and last runs,
-    and the ragged pieces of a long run, may be smaller).
+    A level leaves at most ``(S + R (m - 1)) / m`` of a sequence's ``S >= 2``
+    segments, ``R = ceil(S / m)`` runs: at most ``3/4`` of them (``m = 2``), about
+    ``2 / m`` for large ``m``, and always fewer than ``S``; so ``O(log N)`` levels.
 
     **Cost.** Per level, with ``S`` segments: ``O(S D)`` for the scores and segment
-    sums and ``O(S log r)`` for the windowed minima, so ``O(N D)`` over all levels
-    (``S`` shrinks geometrically), with ``O(log N)`` passes; one ``from_parents`` at
-    the end. The HSA call it serves costs ``O(N D max_children)`` per head.
+    sums and ``O(S log S)`` for the sorts that rank the gaps, ``O(N D + N log N)`` over
+    all levels (``S`` shrinks geometrically); one ``from_parents`` at the end. The HSA
+    call it serves costs about ``O(N D m)`` per head (see
+    ``benchmarks/bench_induce.py``).
 
     Args:
         x: ``[N, D]`` leaf vectors in order (rows of several sequences one after
@@ -235,8 +206,7 @@ def contiguous_tree(x: Tensor, batch: Optional[Tensor] = None, *, max_children: 
         raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
     device = work.device
     n = work.shape[0]
-    batch, _ = _check_batch(batch, n, device, need_sorted=True)
-    radius = max(1, (max_children - 1) // 2)
+    batch, num_seq = _check_batch(batch, n, device, need_sorted=True)
 
     seg_node = torch.arange(n, device=device)
     seg_sum, seg_count, seg_seq = work, torch.ones(n, dtype=work.dtype, device=device), batch
@@ -256,12 +226,22 @@ def contiguous_tree(x: Tensor, batch: Optional[Tensor] = None, *, max_children: 
             score = (unit[1:] * unit[:-1]).sum(1)
         else:
             score = -(mean[1:] - mean[:-1]).pow(2).sum(1)
-        score = torch.where(same, score, -math.inf)
-        ends = torch.full((1,), -math.inf, dtype=score.dtype, device=device)
-        gaps = torch.cat([ends, score, ends])  # gaps[j] lies before segment j
-        cut = (_window_argmin(gaps, min(radius, s)) == torch.arange(s + 1, device=device))
-        cut |= torch.isinf(gaps)
-        run, run_start, run_len = _run_starts(cut[:s])
+        # per sequence, cut at its ceil(S_b / m) - 1 lowest gaps (ties: leftmost); the
+        # gaps between sequences are cuts anyway
+        inner = same.nonzero().flatten()
+        inner_seq = seg_seq[inner]
+        order = torch.sort(score[inner], stable=True).indices
+        order = order[torch.sort(inner_seq[order], stable=True).indices]
+        seq_len = torch.bincount(seg_seq, minlength=num_seq)
+        gap_count = seq_len - 1
+        gap_start = torch.cumsum(gap_count, 0) - gap_count
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=device) - gap_start[inner_seq[order]]
+        cuts = torch.div(seq_len + max_children - 1, max_children, rounding_mode="floor") - 1
+        cut = torch.ones(s, dtype=torch.bool, device=device)  # cut[j]: a run starts at j
+        cut[1:] = ~same
+        cut[inner + 1] = rank < cuts[inner_seq]
+        run, run_start, run_len = _run_starts(cut)
         # long runs: ceil(L / m) pieces of equal size, pieces never exceed m
         pieces = torch.div(run_len + max_children - 1, max_children, rounding_mode="floor")
         offset = torch.arange(s, device=device) - run_start[run]
