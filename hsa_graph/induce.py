@@ -95,6 +95,9 @@ def _check_batch(batch, n: int, device: torch.device, need_sorted: bool) -> Tupl
                 f"PyG batch), but batch[{row}] = {int(batch[row])} follows batch[{row - 1}] "
                 f"= {int(batch[row - 1])}")
     num_seq = int(batch.max()) + 1
+    if num_seq > n:  # before bincount, which would allocate num_seq counters
+        raise ValueError(f"batch has ids up to {num_seq - 1} but only {n} rows: every id "
+                         f"0 .. {num_seq - 1} needs at least one row")
     count = torch.bincount(batch, minlength=num_seq)
     if bool((count == 0).any()):
         missing = int((count == 0).nonzero()[0])
@@ -111,7 +114,8 @@ def _check_max_children(max_children) -> int:
     if max_children < 2:
         raise ValueError(f"max_children must be >= 2 (a family of one is no grouping), got "
                          f"{int(max_children)}")
-    return int(max_children)
+    # no family exceeds the number of leaves: keep the arithmetic within int64
+    return min(int(max_children), 2**40)
 
 
 # ------------------------------------------------------------------ shared helpers

@@ -202,6 +202,8 @@ BAD = [
     (lambda: torch.randn(3, 2), [0, 0, 1], 4, TypeError, "1-D integer tensor"),
     (lambda: torch.randn(3, 2), torch.tensor([0, -1, 1]), 4, ValueError, r"batch\[1\] = -1"),
     (lambda: torch.randn(3, 2), torch.tensor([0, 2, 2]), 4, ValueError, "sequence id 1"),
+    (lambda: torch.randn(3, 2), torch.tensor([0, 0, 10**15]), 4, ValueError,
+     "ids up to 1000000000000000 but only 3 rows"),
     (lambda: torch.randn(3, 2), None, 1, ValueError, "max_children must be >= 2"),
     (lambda: torch.randn(3, 2), None, 0, ValueError, "max_children must be >= 2"),
     (lambda: torch.randn(3, 2), None, True, TypeError, "max_children must be an int"),
@@ -229,7 +231,7 @@ def test_unsorted_batch():
 def test_large_max_children_is_flat():
     x = torch.randn(50, 3)
     for build in BUILDERS.values():
-        tree = build(x, max_children=10**12)
+        tree = build(x, max_children=10**30)
         assert tree.num_nodes == 51 and tree.structure.num_trees == 1
 
 
