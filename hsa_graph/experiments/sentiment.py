@@ -23,7 +23,10 @@ averaged over the test reviews).
 
 **Models.** :class:`~hsa_graph.nn.TreeClassifier` (appendix I.2: input projection, one
 HTE layer with 3 heads, global mean pooling, one-hidden-layer MLP) with
-``attention="hierarchical"`` (HSA), ``"flat"`` (FSA) and ``"none"`` (DeepSet).
+``attention="hierarchical"`` (HSA), ``"flat"`` (FSA) and ``"none"`` (DeepSet); and,
+with ``"induced"`` among the attentions (not by default), HSA on the hierarchy the
+layer induces from its own keys (``induce="contiguous"``, families of at most 4,
+contiguous in the review's token order: *HSA-induced*), next to the semantic one.
 
 Command line (through ``hsa-graph sentiment`` or ``python -m hsa_graph.experiments.sentiment``):
 ``--quick`` is the main job's short version (a subset of short reviews, 2 seeds, few
@@ -51,6 +54,7 @@ from .train import TrainConfig, evaluate, fit
 __all__ = [
     "ExperimentConfig",
     "MODEL_NAMES",
+    "VARIANTS",
     "SentimentConfig",
     "add_arguments",
     "build_review_trees",
@@ -65,8 +69,16 @@ __all__ = [
     "truncate_reviews",
 ]
 
-#: The paper's names of the three attention variants.
-MODEL_NAMES = {"hierarchical": "HSA", "flat": "FSA", "none": "DeepSet"}
+#: The paper's names of the three attention variants, and the induced hierarchy.
+MODEL_NAMES = {"hierarchical": "HSA", "flat": "FSA", "none": "DeepSet",
+               "induced": "HSA-induced"}
+
+#: The variants the comparisons can run: the attention modes of
+#: :class:`~hsa_graph.nn.HSAttention`, and ``"induced"``: HSA on a tree each layer
+#: builds from its own keys (:func:`~hsa_graph.induce.contiguous_tree`, no gradient
+#: through the choice) instead of the semantic tree, which then only delimits the
+#: examples.
+VARIANTS = ATTENTIONS + ("induced",)
 
 
 @dataclass
@@ -110,7 +122,8 @@ class SentimentConfig(ExperimentConfig):
 
     Args:
         embeddings: token embeddings to compare (``"static"``, ``"contextual"``).
-        attentions: attention variants (``"hierarchical"``, ``"flat"``, ``"none"``).
+        attentions: variants (``"hierarchical"``, ``"flat"``, ``"none"``, and
+            ``"induced"``, see :data:`VARIANTS`).
         seeds: number of seeds (train/validation splits and initialisations).
         num_reviews: use a stratified subset of this many reviews (``None``: all 1,500).
         max_tokens: keep whole sentences of each review up to this many word pieces
@@ -138,8 +151,8 @@ class SentimentConfig(ExperimentConfig):
             if name not in EMBEDDINGS:
                 raise ValueError(f"unknown embedding {name!r}; choose from {EMBEDDINGS}")
         for name in self.attentions:
-            if name not in ATTENTIONS:
-                raise ValueError(f"unknown attention {name!r}; choose from {ATTENTIONS}")
+            if name not in VARIANTS:
+                raise ValueError(f"unknown attention {name!r}; choose from {VARIANTS}")
         if not self.embeddings or not self.attentions:
             raise ValueError("give at least one embedding and one attention")
         if self.seeds < 1:
@@ -357,10 +370,12 @@ def compare(datasets: Dict[str, List[Any]], splits: Callable[[int], Tuple[Tensor
             val = [data[i] for i in val_idx.tolist()]
             test = [data[i] for i in test_idx.tolist()]
             torch.manual_seed(seed)
+            induce = {"induce": "contiguous"} if attention == "induced" else {}
             model = TreeClassifier(in_channels, num_classes, config.channels, config.heads,
                                    hidden_channels=config.hidden_channels,
-                                   attention=attention, num_modalities=num_modalities,
-                                   pos_dim=config.pos_dim, dropout=config.dropout)
+                                   attention="hierarchical" if induce else attention,
+                                   num_modalities=num_modalities,
+                                   pos_dim=config.pos_dim, dropout=config.dropout, **induce)
             if config.progress:
                 print(f"[{name} / {MODEL_NAMES[attention]} / seed {seed}] "
                       f"{len(train)} train, {len(val)} val, {len(test)} test", flush=True)
@@ -465,9 +480,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             f"{k}={v}" for k, v in QUICK.items()) + " (explicit options win)")
     parser.add_argument("--embeddings", nargs="+", choices=EMBEDDINGS, default=None,
                         help=f"token embeddings to compare (default: {' '.join(d.embeddings)})")
-    parser.add_argument("--attentions", nargs="+", choices=ATTENTIONS, default=None,
+    parser.add_argument("--attentions", nargs="+", choices=VARIANTS, default=None,
                         help="attention variants: hierarchical = HSA, flat = FSA, none = "
-                             "DeepSet (default: all three)")
+                             "DeepSet (default: these three), induced = HSA on the tree "
+                             "each layer builds from its keys")
     parser.add_argument("--seeds", type=int, default=None,
                         help=f"seeds (train/val splits and initialisations; default {d.seeds})")
     parser.add_argument("--num-reviews", type=int, default=None,

@@ -1,7 +1,7 @@
 r"""Multi-head Hierarchical Self-Attention with learnable projections."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,17 @@ from ..ops.inputs import compute_dtype, no_autocast
 from ..signal import flatten
 from .linear import ModalityLinear
 
-__all__ = ["ATTENTIONS", "HSAttention", "attention_tree"]
+__all__ = ["ATTENTIONS", "INDUCERS", "HSAttention", "attention_tree"]
 
 #: What :class:`HSAttention` attends over: the tree itself (HSA), the flattened tree
 #: (standard softmax attention per tree) or nothing (each leaf only sees itself).
 ATTENTIONS = ("hierarchical", "flat", "none")
 
 PositionInput = Union[None, Tensor, Dict[str, Tuple[Tensor, Tensor]]]
+
+#: The tree builders :class:`HSAttention` can run on its own keys (``induce=``):
+#: :func:`~hsa_graph.induce.contiguous_tree` and :func:`~hsa_graph.induce.cluster_tree`.
+INDUCERS = ("contiguous", "cluster")
 
 
 def attention_tree(tree, attention: str = "hierarchical"):
@@ -92,6 +96,18 @@ class HSAttention(Module):
     embedding comes from its place in the whole tree (its parent's geometry), which
     the cache does not hold.
 
+    **Induced trees** (``induce=``): the tree comes from the layer's own keys at
+    forward time: :func:`~hsa_graph.induce.contiguous_tree` (``"contiguous"``) or
+    :func:`~hsa_graph.induce.cluster_tree` (``"cluster"``) of the normalised keys of
+    all heads side by side, ``[N, H * D]``, without gradient (the choice of tree is
+    discrete); HSA on it is exact and differentiable in ``q, k, v`` as on any tree.
+    A given ``tree`` then only says which leaves form one sequence (one induced tree
+    per tree of the forest, ``tree.structure.leaf_tree``) and their modalities; with
+    ``tree=None``, ``batch=`` does (default: one sequence). Position embeddings are
+    computed on the induced tree by this layer's encoder (``pos`` must be ``None``).
+    Not with ``causal=True`` (the tree would read later tokens) nor with the
+    ``"flat"`` / ``"none"`` baselines.
+
     **Dropout.** :func:`~hsa_graph.hsa` never forms the attention matrix, so there is
     no attention-*weight* dropout (zeroing entries :math:`\theta_{ij}` as
     :class:`torch.nn.MultiheadAttention` does): ``dropout`` zeroes entries of each
@@ -139,6 +155,10 @@ class HSAttention(Module):
         causal: causal HSA (see above): leaf :math:`i` reads leaves :math:`\le i`.
         bias: biases of the projections.
         scale: logit scale; ``1 / sqrt(D)`` by default.
+        induce: build the tree at forward time from this layer's own keys (see
+            above): ``"contiguous"``, ``"cluster"`` or a callable
+            ``(keys [N, H * D], batch [N]) -> NestedSignal``; ``None`` (default)
+            attends over the given tree.
 
     Shapes:
         - **input:** ``x`` ``[N, F]`` (one row per leaf of ``tree``); ``tree`` a
@@ -173,6 +193,16 @@ class HSAttention(Module):
         ...          for i, move in enumerate(hsa_graph.HSACache.moves_of(tree))]
         >>> bool(torch.allclose(torch.stack(steps), causal(x, tree)))
         True
+
+        A tree from the layer's own keys, for leaves that come without one (two
+        sequences of 4 and 3 leaves):
+
+        >>> induced = HSAttention(16, heads=4, induce="contiguous")
+        >>> x = torch.randn(7, 16)
+        >>> induced(x, batch=torch.tensor([0, 0, 0, 0, 1, 1, 1])).shape
+        torch.Size([7, 16])
+        >>> induced.induced_tree(x).structure.num_leaves
+        7
     """
 
     def __init__(self, in_channels: int, heads: int = 1, head_channels: Optional[int] = None,
@@ -181,7 +211,8 @@ class HSAttention(Module):
                  pos_kwargs: Optional[Dict[str, Any]] = None, include_self: bool = True,
                  attention: str = "hierarchical", dropout: float = 0.0,
                  query_residual: bool = False, bias: bool = True,
-                 scale: Optional[float] = None, causal: bool = False):
+                 scale: Optional[float] = None, causal: bool = False,
+                 induce: Union[None, str, Callable[[Tensor, Tensor], Any]] = None):
         super().__init__()
         _positive("in_channels", in_channels)
         _positive("heads", heads)
@@ -205,6 +236,7 @@ class HSAttention(Module):
             raise ValueError(f"scale must be positive, got {scale}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        _check_induce(induce, attention, causal)
 
         self.in_channels, self.out_channels = in_channels, out_channels
         self.heads, self.head_channels = heads, head_channels
@@ -214,6 +246,7 @@ class HSAttention(Module):
         self.scale = scale
         self.pos_dim = pos_dim
         self.causal = bool(causal)
+        self.induce = induce
         inner = heads * head_channels
         # q, k and v in one matmul; rows laid out [q | k | v], each [H, D] (as the
         # in_proj of torch.nn.MultiheadAttention).
@@ -259,17 +292,23 @@ class HSAttention(Module):
             y = y + q.to(y.dtype)
         return self.out_proj(y.reshape(y.shape[0], self.heads * self.head_channels))
 
-    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
-        """Leaf outputs ``[N, out_channels]`` (see the class docstring)."""
-        structure = _structure(tree, x, self)
-        n = structure.num_leaves
+    def forward(self, x: Tensor, tree=None, pos: PositionInput = None, *,
+                batch: Optional[Tensor] = None) -> Tensor:
+        """Leaf outputs ``[N, out_channels]`` (see the class docstring); ``tree`` may be
+        ``None`` (and ``batch`` given) only when the layer induces its tree."""
+        structure = self._input_structure(x, tree, batch)
+        n = structure.num_leaves if structure is not None else x.shape[0]
         if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
             raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
                              f"(N = {n}), got {tuple(x.shape)}")
-        modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
+        modality = (leaf_modalities(tree, structure, self.num_modalities, x.device)
+                    if structure is not None else None)
         q, k, v = self._project(x, modality)
 
-        target = self.attention_tree(tree)
+        if self.induce is not None:
+            target = self._induce(k, structure, batch)
+        else:
+            target = self.attention_tree(tree)
         if target is None:  # attention disabled: theta = identity
             y = v
         else:
@@ -285,6 +324,59 @@ class HSAttention(Module):
                        pos=None if embeddings is None else embeddings.to(dtype))
             y = y.to(v.dtype)
         return self._finish(y, q)
+
+    @torch.no_grad()
+    def induced_tree(self, x: Tensor, tree=None, *, batch: Optional[Tensor] = None):
+        """The tree :meth:`forward` attends over for input ``x`` (``induce=`` set):
+        built from this layer's keys of ``x``, one per tree of ``tree`` (or per
+        ``batch`` id). Used to count the attention's cost (FLOPs) on it.
+
+        Raises:
+            ValueError: the layer does not induce its tree (``induce=None``).
+        """
+        if self.induce is None:
+            raise ValueError("induced_tree needs a layer that induces its tree "
+                             "(HSAttention(..., induce='contiguous'))")
+        structure = self._input_structure(x, tree, batch)
+        modality = (leaf_modalities(tree, structure, self.num_modalities, x.device)
+                    if structure is not None else None)
+        return self._induce(self._project(x, modality)[1], structure, batch)
+
+    def _input_structure(self, x: Tensor, tree, batch: Optional[Tensor]):
+        """The given tree's structure (``None`` when an inducing layer gets none)."""
+        if tree is None and self.induce is not None:
+            check_features(self, x)
+            if self.num_modalities > 1:
+                raise ValueError(f"this layer has {self.num_modalities} modalities: pass "
+                                 "a tree (its leaves' modality tags) with the leaves")
+            return None
+        if tree is None:
+            raise TypeError("HSAttention needs a tree (a NestedSignal or a Batch of them); "
+                            "only a layer with induce= builds its own")
+        if batch is not None:
+            raise ValueError("batch= goes with tree=None (an inducing layer reads the "
+                             "sequences of a given tree from the tree)")
+        return _structure(tree, x, self)
+
+    def _induce(self, k: Tensor, structure, batch: Optional[Tensor]):
+        """The tree built from keys ``[N, H, D]`` (no gradient)."""
+        if structure is not None:
+            batch = structure.leaf_tree
+        build = self.induce
+        if isinstance(build, str):
+            from .. import induce as _induce_module
+
+            build = getattr(_induce_module, f"{build}_tree")
+        keys = k.detach().reshape(k.shape[0], -1)
+        with torch.no_grad():
+            target = build(keys, batch)
+        made = getattr(target, "structure_for", None)
+        if made is None or target.structure_for(k.device).num_leaves != k.shape[0]:
+            raise ValueError(f"induce= must return a NestedSignal with one leaf per row of "
+                             f"x ({k.shape[0]}), got {type(target).__name__}"
+                             + (f" with {target.num_leaves} leaves" if made is not None
+                                else ""))
+        return target
 
     def new_cache(self) -> HSACache:
         """An empty :class:`~hsa_graph.HSACache` for :meth:`step`, with this layer's
@@ -389,6 +481,10 @@ class HSAttention(Module):
         return torch.tensor([modality], device=device)
 
     def _positions(self, target, pos: PositionInput) -> Optional[Tensor]:
+        if self.induce is not None and pos is not None:
+            raise ValueError("positions were given for the input tree, but this layer "
+                             "attends over the tree it induces: pass pos=None (its encoder "
+                             "embeds the induced tree)")
         if isinstance(pos, Tensor):
             return pos
         if pos is not None and not isinstance(pos, dict):
@@ -409,7 +505,27 @@ class HSAttention(Module):
                 f"num_modalities={self.num_modalities}, pos_dim={self.pos_dim}, "
                 f"dropout={self.dropout}"
                 + (", query_residual=True" if self.query_residual else "")
-                + (", causal=True" if self.causal else "") + ")")
+                + (", causal=True" if self.causal else "")
+                + (f", induce={self.induce!r}" if self.induce is not None else "") + ")")
+
+
+def _check_induce(induce: Any, attention: str, causal: bool) -> None:
+    if induce is None:
+        return
+    if isinstance(induce, str):
+        if induce not in INDUCERS:
+            raise ValueError(f"induce must be one of {INDUCERS}, a callable or None, got "
+                             f"{induce!r}")
+    elif not callable(induce):
+        raise TypeError(f"induce must be one of {INDUCERS}, a callable or None, got "
+                        f"{type(induce).__name__}")
+    if attention != "hierarchical":
+        raise ValueError(f"induce= builds a hierarchy; attention={attention!r} does not use "
+                         "one (use attention='hierarchical')")
+    if causal:
+        raise ValueError("induce= with causal=True: the induced tree would depend on later "
+                         "tokens' keys, so outputs would no longer depend on leaves <= i "
+                         "only")
 
 
 def _positive(name: str, value: Any) -> None:

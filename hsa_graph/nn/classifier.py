@@ -1,7 +1,7 @@
 r"""A tree classifier: the architecture of the paper's experiments (appendix I.2)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -142,10 +142,43 @@ class TreeClassifier(Module):
         return self.mlp(self.embed(x, tree))
 
     def attention_flops(self, tree) -> int:
-        """FLOPs of this model's attention on ``tree`` (see :func:`attention_flops`)."""
+        """FLOPs of this model's attention on ``tree`` (see :func:`attention_flops`).
+        Layers that induce their tree (``induce=``) are counted on the trees they build
+        for ``tree.x`` (one forward pass without gradient, in evaluation mode)."""
         attn = self.encoder.layers[0].attn
-        return len(self.encoder.layers) * attention_flops(
-            tree, attn.heads, attn.head_channels, attention=self.attention)
+        if attn.induce is None:
+            return len(self.encoder.layers) * attention_flops(
+                tree, attn.heads, attn.head_channels, attention=self.attention)
+        return sum(attention_flops(t, attn.heads, attn.head_channels)
+                   for t in self.induced_trees(tree))
+
+    @torch.no_grad()
+    def induced_trees(self, tree, x: Optional[Tensor] = None) -> List[Any]:
+        """The tree each attention layer induces for ``tree`` (leaf features ``x``,
+        default ``tree.x``), in evaluation mode: a list of one tree per layer.
+
+        Raises:
+            ValueError: the layers do not induce their trees (``induce=None``).
+        """
+        x = tree.x if x is None else x
+        trees: List[Any] = []
+
+        def record(module, args, kwargs):
+            trees.append(module.induced_tree(args[0], args[1]))
+
+        hooks = [layer.attn.register_forward_pre_hook(record, with_kwargs=True)
+                 for layer in self.encoder.layers]
+        was_training = self.training
+        try:
+            self.eval()
+            if self.encoder.layers[0].attn.induce is None:
+                raise ValueError("induced_trees needs layers built with induce=")
+            self.embed(x, tree)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.train(was_training)
+        return trees
 
     def __repr__(self) -> str:
         attn = self.encoder.layers[0].attn

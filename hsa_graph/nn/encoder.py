@@ -263,8 +263,9 @@ class HierarchicalTransformerEncoder(Module):
         check_features(self, x)
         target = attention_tree(tree, self.attention)
         encoder = self.layers[0].attn.pos_encoder
+        # an inducing layer embeds the tree it builds, not the given one
         features = (encoder.features(target) if encoder is not None and target is not None
-                    else None)
+                    and self.layers[0].attn.induce is None else None)
         for layer in self.layers:
             x = layer(x, tree, features)
         return x if self.norm is None else self.norm(x)

@@ -119,3 +119,22 @@ def test_command_line_options():
         sentiment.SentimentConfig(attentions=("dense",)).validate()
     with pytest.raises(ValueError, match="test_fraction"):
         sentiment.SentimentConfig(test_fraction=1.5).validate()
+
+
+def test_induced_variant_next_to_the_semantic_tree(reviews):
+    config = sentiment.SentimentConfig(
+        embeddings=("static",), attentions=("hierarchical", "induced"), seeds=2,
+        num_reviews=24, max_tokens=24, epochs=1, batch_size=8, channels=12,
+        hidden_channels=8, progress=False)
+    out = sentiment.run_sentiment(config)
+    summary = {row["model"]: row for row in out["summary"]}
+    assert set(summary) == {"HSA", "HSA-induced"}
+    # same parameters (the tree is chosen without any), FLOPs counted on the induced trees
+    assert summary["HSA"]["parameters"] == summary["HSA-induced"]["parameters"]
+    assert summary["HSA-induced"]["attention_mflops_per_example"] > 0
+    assert summary["HSA-induced"]["attention_mflops_per_example"] != \
+        summary["HSA"]["attention_mflops_per_example"]
+    assert "| static | HSA-induced |" in out["markdown"]
+    parser = sentiment.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--quick", "--attentions", "hierarchical", "induced"])
+    assert sentiment.config_from_args(args).attentions == ("hierarchical", "induced")
