@@ -31,6 +31,7 @@ row) and FLOPs, :func:`hsa_budget` HSA's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -39,7 +40,8 @@ from torch import Tensor
 from ..ops.inputs import resolve_structure
 from ..structure import TreeStructure
 
-__all__ = ["attention_flops", "attention_kl", "bigbird_support", "bigbird_weights",
+__all__ = ["SPARSE_PATTERNS", "SparsePattern", "attention_flops", "attention_kl",
+           "bigbird_support", "bigbird_weights",
            "block_average_weights", "fixed_support", "fixed_weights", "hsa_budget",
            "local_support", "local_weights", "pooled_softmax_weights", "softmax_weights",
            "sparse_cost", "sparse_weights", "topk_support", "topk_weights"]
@@ -606,3 +608,57 @@ def hsa_budget(tree) -> Tensor:
     siblings = torch.cat([children[st.internal_parent] - 1, children.new_zeros(1)])
     above = st.path_sum(siblings)          # [I + 1]
     return 1.0 + children[st.leaf_parent] - 1 + above[st.leaf_parent]
+
+
+#: The sparse patterns :class:`SparsePattern` names, and what its ``size`` sets.
+SPARSE_PATTERNS = {"local": "window w (keys on each side)", "fixed": "block l (summary c = 1)",
+                   "bigbird": "window w (2 global, w random keys)", "topk": "k (the oracle)"}
+
+
+@dataclass(frozen=True)
+class SparsePattern:
+    r"""A sparse attention pattern by name and size, for masked attention in a patched
+    layer (:func:`~hsa_graph.pretrained.patch_hsa` with ``hierarchy=SparsePattern(...)``)
+    and for the budget sweeps of the zero-shot evaluation.
+
+    ``kind`` / ``size``: ``"local"`` / window ``w`` (:func:`local_support`);
+    ``"fixed"`` / block ``l`` with one summary position (:func:`fixed_support`);
+    ``"bigbird"`` / window ``w`` with 2 global positions and ``w`` random keys
+    (:func:`bigbird_support`, seeded by ``seed``); ``"topk"`` / ``k``
+    (:func:`topk_support`: needs the weights, an oracle bound).
+
+    Example:
+        >>> SparsePattern("local", 1).support(torch.tensor([0, 0, 0, 1])).sum(1).tolist()
+        [2, 3, 2, 1]
+    """
+
+    kind: str
+    size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SPARSE_PATTERNS:
+            raise ValueError(f"sparse pattern {self.kind!r}: expected one of "
+                             f"{', '.join(SPARSE_PATTERNS)}")
+        _check_count(f"{self.kind} size", self.size, 0 if self.kind in ("local", "bigbird")
+                     else 1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def name(self) -> str:
+        """``"kind:size"``, as the command line spells it."""
+        return f"{self.kind}:{self.size}"
+
+    def support(self, batch: Tensor, p: Optional[Tensor] = None) -> Tensor:
+        """The boolean support ``[N, N]`` (``[..., N, N]`` for top-k, from ``p``) of the
+        rows of ``batch`` (``[N]``, sorted example index)."""
+        if self.kind == "topk":
+            if p is None:
+                raise ValueError("the top-k pattern needs the attention weights p")
+            return topk_support(p, self.size)
+        if self.kind == "local":
+            return local_support(batch, self.size)
+        if self.kind == "fixed":
+            return fixed_support(batch, self.size, 1)
+        return bigbird_support(batch, self.size, 2, self.size, self.seed)
