@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..ops.hsa import hsa
-from .approximations import SparsePattern
+from .approximations import SparsePattern, attention_flops, hsa_budget
 from .hierarchy import Hierarchy, InducedHierarchy, check_hierarchy, resolve_hierarchy
 
 __all__ = ["HSAPatch", "hsa_attention_forward", "patch_hsa", "unpatch_hsa", "IMPLEMENTATION"]
@@ -111,14 +111,18 @@ class HSAPatch:
         self.active = True
         #: Wall seconds spent in the replaced layers since the last
         #: :meth:`reset_timings`: ``tree_s`` building induced trees, ``attention_s``
-        #: the attention itself (HSA, or masked attention for a sparse pattern), and
-        #: ``layer_calls``, the replaced-layer calls they cover.
+        #: the attention itself (HSA, or masked attention for a sparse pattern),
+        #: ``layer_calls``, the replaced-layer calls they cover, and the cost model
+        #: summed over those calls: ``flops`` (:func:`attention_flops`' HSA count, or
+        #: :func:`sparse_cost`'s) over ``examples``, and ``budget`` (distinct weights
+        #: per query row) over ``rows``.
         self.timings: Dict[str, float] = {}
         self.reset_timings()
 
     def reset_timings(self) -> None:
         """Zero :attr:`timings`."""
-        self.timings = {"tree_s": 0.0, "attention_s": 0.0, "layer_calls": 0}
+        self.timings = {"tree_s": 0.0, "attention_s": 0.0, "layer_calls": 0, "flops": 0.0,
+                        "examples": 0, "budget": 0.0, "rows": 0}
 
     @property
     def model(self) -> Any:
@@ -275,12 +279,17 @@ def hsa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, v
                                             scaling=scaling, dropout=dropout, **kwargs)
     timings = patch.timings
     timings["layer_calls"] += 1
+    timings["examples"] += batch
+    timings["rows"] += q.shape[0]
     if isinstance(hierarchy, SparsePattern):
         start = time.perf_counter()
-        out = _sparse_attention(hierarchy, query, key.repeat_interleave(groups, dim=1),
-                                value.repeat_interleave(groups, dim=1), mask,
-                                dim ** -0.5 if scaling is None else float(scaling))
+        out, support = _sparse_attention(hierarchy, query, key.repeat_interleave(groups, dim=1),
+                                         value.repeat_interleave(groups, dim=1), mask,
+                                         dim ** -0.5 if scaling is None else float(scaling))
         timings["attention_s"] += time.perf_counter() - start
+        count = support.expand(batch, heads, length, length).sum(-1).double()   # [B, H, L]
+        timings["flops"] += 4 * dim * float(count.sum())
+        timings["budget"] += float(count.mean(1)[mask].sum())
         return out, None
     if isinstance(hierarchy, InducedHierarchy):
         start = time.perf_counter()
@@ -292,13 +301,16 @@ def hsa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, v
     out = query.new_zeros(batch, length, heads, value.shape[-1])
     out[mask] = y.to(out.dtype)
     timings["attention_s"] += time.perf_counter() - start
+    timings["flops"] += float(attention_flops(forest, dim, heads)["hsa"].sum())
+    timings["budget"] += float(hsa_budget(forest).sum())
     return out, None
 
 
 def _sparse_attention(pattern: SparsePattern, query: Tensor, key: Tensor, value: Tensor,
-                      mask: Tensor, scale: float) -> Tensor:
+                      mask: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
     r"""Masked softmax attention on a sparse pattern, ``[B, H, L, D]`` in, ``[B, L, H,
-    Dv]`` out (zeros at pads): the softmax of the logits restricted to each query's
+    Dv]`` out (zeros at pads), with the support ``[B, H or 1, L, L]`` (pad rows
+    empty): the softmax of the logits restricted to each query's
     support, i.e. softmax attention renormalised over it
     (:func:`~hsa_graph.pretrained.approximations.sparse_weights`). Positions are ranks
     among an example's tokens, so pads (on any side) take no place in the pattern."""
@@ -314,11 +326,12 @@ def _sparse_attention(pattern: SparsePattern, query: Tensor, key: Tensor, value:
         padded = torch.zeros(batch, length, length, dtype=torch.bool, device=query.device)
         padded[ex[rows], tok[rows], tok[cols]] = True
         support = padded[:, None]
-    # Pad queries have an empty support; their rows are zeroed below, not NaN.
-    support = support | ~mask[:, None, :, None]
-    weights = torch.softmax(logits.masked_fill(~support, float("-inf")), -1)
+    support = support & mask[:, None, :, None]
+    # Pad queries have an empty support: they see every key, and are zeroed below.
+    seen = support | ~mask[:, None, :, None]
+    weights = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)
     out = torch.matmul(weights, value).transpose(1, 2)                   # [B, L, H, Dv]
-    return out * mask[:, :, None, None].to(out.dtype)
+    return out * mask[:, :, None, None].to(out.dtype), support
 
 
 def _original(patch: HSAPatch, module: torch.nn.Module):
