@@ -11,6 +11,9 @@ rows of ``x[attention_mask.bool()]``. Two kinds:
   only on the lengths, so it can be built from the mask inside the model. ``()`` is
   the one-level tree (a root over all tokens), under which HSA is exactly softmax
   attention.
+* **induced** (:class:`InducedHierarchy`): built in every layer from that layer's
+  own keys (:mod:`hsa_graph.induce`), so it needs the layer and is resolved inside
+  the patched attention, not from the mask.
 * **semantic** (:func:`semantic_hierarchy`): tokens -> words -> sentences -> example,
   from the tokenizer's word ids and character offsets and
   :func:`~hsa_graph.builders.text.split_sentences`; special tokens (``[CLS]``,
@@ -21,6 +24,7 @@ given token mask and checks that they match.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence, Tuple, Union
 
 import torch
@@ -30,13 +34,19 @@ from torch_geometric.data import Batch
 from ..builders.text import split_sentences
 from ..builders.windows import _check_branching, hopping_window_forest
 from ..signal import NestedSignal
+from .approximations import SparsePattern
 
-__all__ = ["Hierarchy", "check_hierarchy", "resolve_hierarchy", "semantic_hierarchy", "token_mask",
+__all__ = ["Hierarchy", "INDUCE_METHODS", "InducedHierarchy",
+           "check_hierarchy", "resolve_hierarchy", "semantic_hierarchy", "token_mask",
            "window_hierarchy"]
 
 #: What a patched layer accepts as a hierarchy: a bottom-up branching tuple (hopping
-#: windows built from the mask), or a forest with one tree per example.
-Hierarchy = Union[Tuple[int, ...], Sequence[int], NestedSignal, Batch]
+#: windows built from the mask), a forest with one tree per example, an
+#: :class:`InducedHierarchy` (a tree per layer from its own keys) or a
+#: :class:`~hsa_graph.pretrained.approximations.SparsePattern` (masked softmax
+#: attention on a fixed pattern instead of HSA, for comparison).
+Hierarchy = Union[Tuple[int, ...], Sequence[int], NestedSignal, Batch, "InducedHierarchy",
+                  SparsePattern]
 
 
 def token_mask(attention_mask: Any) -> Tensor:
@@ -202,7 +212,8 @@ def _is_forest(hierarchy: Any) -> bool:
 
 
 def check_hierarchy(hierarchy: Hierarchy) -> Union[Tuple[int, ...], None]:
-    """The branching tuple of a window hierarchy (``None`` for a forest).
+    """The branching tuple of a window hierarchy (``None`` for a forest, an
+    :class:`InducedHierarchy` or a sparse pattern).
 
     Raises:
         ValueError: a bad branching tuple, or a string such as ``"semantic"`` (a
@@ -217,7 +228,9 @@ def check_hierarchy(hierarchy: Hierarchy) -> Union[Tuple[int, ...], None]:
         raise ValueError(f"hierarchy {hierarchy!r}: pass a branching tuple such as "
                          "(2, 4, 8, 16), or a forest (e.g. semantic_hierarchy(encoding, "
                          "texts)) for each call")
-    return None if _is_forest(hierarchy) else _check_branching(hierarchy)
+    if _is_forest(hierarchy) or isinstance(hierarchy, (InducedHierarchy, SparsePattern)):
+        return None
+    return _check_branching(hierarchy)
 
 
 def resolve_hierarchy(hierarchy: Hierarchy, mask: Tensor) -> NestedSignal:
@@ -242,6 +255,9 @@ def resolve_hierarchy(hierarchy: Hierarchy, mask: Tensor) -> NestedSignal:
     branching = check_hierarchy(hierarchy)
     if branching is not None:
         return hopping_window_forest(mask.sum(1).cpu(), branching)
+    if isinstance(hierarchy, (InducedHierarchy, SparsePattern)):
+        raise ValueError(f"{hierarchy.name} is built inside each layer (from its keys or "
+                         "its pattern), not from the mask")
     st = hierarchy.structure_for(mask.device)
     lengths = mask.sum(1)
     if st.num_trees != lengths.numel():
@@ -255,3 +271,75 @@ def resolve_hierarchy(hierarchy: Hierarchy, mask: Tensor) -> NestedSignal:
             f"has {int(lengths[bad])} tokens (one leaf per non-pad token, trees in batch "
             "order)")
     return hierarchy
+
+
+#: How :class:`InducedHierarchy` builds its trees: the functions of
+#: :mod:`hsa_graph.induce` by name.
+INDUCE_METHODS = ("contiguous", "cluster")
+
+
+@dataclass(frozen=True)
+class InducedHierarchy:
+    r"""A hierarchy the data chooses: in every replaced layer, one tree per example
+    built at run time from that layer's own keys, without gradient.
+
+    The keys of the non-pad tokens ``[N, H, D]`` become one vector per token (the
+    heads concatenated, ``pool="concat"``, i.e. the layer's key projection, or their
+    mean, ``pool="mean"``), and :func:`hsa_graph.induce.contiguous_tree` (neighbours
+    merged bottom-up by similarity; every node's leaves contiguous) or
+    :func:`hsa_graph.induce.cluster_tree` (recursive balanced clustering; order
+    ignored) builds a forest with at most ``max_children`` children per node. HSA
+    then runs exactly on that forest.
+
+    Args:
+        max_children: the bound on family size (``>= 2``).
+        method: ``"contiguous"`` or ``"cluster"``.
+        pool: ``"concat"`` or ``"mean"`` over heads.
+
+    Example:
+        >>> InducedHierarchy(4).name, InducedHierarchy(8, "cluster").name
+        ('induced:4', 'cluster:8')
+    """
+
+    max_children: int = 4
+    method: str = "contiguous"
+    pool: str = "concat"
+
+    def __post_init__(self) -> None:
+        c = self.max_children
+        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+            raise ValueError(f"max_children must be an int >= 2, got {c!r}")
+        if self.method not in INDUCE_METHODS:
+            raise ValueError(f"method {self.method!r}: expected one of "
+                             f"{', '.join(INDUCE_METHODS)}")
+        if self.pool not in ("concat", "mean"):
+            raise ValueError(f"pool {self.pool!r}: expected 'concat' or 'mean'")
+
+    @property
+    def name(self) -> str:
+        """``"induced:C"`` (contiguous) or ``"cluster:C"``, as the command line spells it
+        (with ``"/mean"`` appended for mean pooling)."""
+        base = "induced" if self.method == "contiguous" else "cluster"
+        return f"{base}:{self.max_children}" + ("/mean" if self.pool == "mean" else "")
+
+    def build(self, keys: Tensor, batch: Tensor) -> NestedSignal:
+        r"""The forest over the rows of ``keys``.
+
+        Args:
+            keys: ``[N, H, D]`` (or ``[N, C]``), one row per token.
+            batch: ``[N]`` sorted example index of each row.
+
+        Returns:
+            A forest of one tree per example whose leaf ``i`` is row ``i``.
+        """
+        from ..induce import cluster_tree, contiguous_tree
+
+        if not isinstance(keys, Tensor) or keys.dim() not in (2, 3):
+            raise ValueError("keys must be a tensor [N, H, D] or [N, C]")
+        with torch.no_grad():
+            x = keys.detach()
+            if x.dim() == 3:
+                x = x.flatten(1) if self.pool == "concat" else x.mean(1)
+            if self.method == "contiguous":
+                return contiguous_tree(x, batch, max_children=self.max_children)
+            return cluster_tree(x, batch, max_children=self.max_children)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -44,7 +45,8 @@ import torch
 from torch import Tensor
 
 from ..ops.hsa import hsa
-from .hierarchy import Hierarchy, check_hierarchy, resolve_hierarchy
+from .approximations import SparsePattern, attention_flops, hsa_budget
+from .hierarchy import Hierarchy, InducedHierarchy, check_hierarchy, resolve_hierarchy
 
 __all__ = ["HSAPatch", "hsa_attention_forward", "patch_hsa", "unpatch_hsa", "IMPLEMENTATION"]
 
@@ -107,6 +109,20 @@ class HSAPatch:
         self._records: Optional[Dict[int, Tuple[Tensor, Tensor, float]]] = None
         self._cache: Optional[tuple] = None
         self.active = True
+        #: Wall seconds spent in the replaced layers since the last
+        #: :meth:`reset_timings`: ``tree_s`` building induced trees, ``attention_s``
+        #: the attention itself (HSA, or masked attention for a sparse pattern),
+        #: ``layer_calls``, the replaced-layer calls they cover, and the cost model
+        #: summed over those calls: ``flops`` (:func:`attention_flops`' HSA count, or
+        #: :func:`sparse_cost`'s) over ``examples``, and ``budget`` (distinct weights
+        #: per query row) over ``rows``.
+        self.timings: Dict[str, float] = {}
+        self.reset_timings()
+
+    def reset_timings(self) -> None:
+        """Zero :attr:`timings`."""
+        self.timings = {"tree_s": 0.0, "attention_s": 0.0, "layer_calls": 0, "flops": 0.0,
+                        "examples": 0, "budget": 0.0, "rows": 0}
 
     @property
     def model(self) -> Any:
@@ -168,19 +184,26 @@ class HSAPatch:
         finally:
             self._records = None
 
-    def _layout(self, attention_mask: Optional[Tensor], batch: int, length: int,
-                device: torch.device, hierarchy: Optional[Hierarchy]):
-        """The token mask ``[B, L]`` and the forest of a call. The model hands every
-        layer the same mask object, so both are computed once per call and reused."""
+    def _chosen(self, hierarchy: Optional[Hierarchy]) -> Hierarchy:
+        """The hierarchy of a call: its ``hsa_hierarchy=``, else :meth:`use`'s, else
+        the default."""
         if hierarchy is None:
             hierarchy = self._stack[-1] if self._stack else self.hierarchy
+        return hierarchy
+
+    def _layout(self, attention_mask: Optional[Tensor], batch: int, length: int,
+                device: torch.device, hierarchy: Hierarchy):
+        """The token mask ``[B, L]`` and the forest of a call (``None`` for an induced
+        hierarchy or a sparse pattern, which each layer builds). The model hands every
+        layer the same mask object, so both are computed once per call and reused."""
         key = attention_mask if attention_mask is not None else (batch, length, device)
         cache = self._cache
         if cache is not None and cache[1] is hierarchy and (
                 cache[0] is key or (attention_mask is None and cache[0] == key)):
             return cache[2], cache[3]
         mask = _token_mask(attention_mask, batch, length, device)
-        forest = resolve_hierarchy(hierarchy, mask)
+        forest = None if isinstance(hierarchy, (InducedHierarchy, SparsePattern)) else \
+            resolve_hierarchy(hierarchy, mask)
         self._cache = (key, hierarchy, mask, forest)
         return mask, forest
 
@@ -244,6 +267,7 @@ def hsa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, v
         raise ValueError(f"HSA replaces self-attention only: {length} queries but "
                          f"{key.shape[2]} keys (cross-attention or a cache)")
     groups = heads // key.shape[1]  # grouped keys and values: one copy per query head
+    hierarchy = patch._chosen(hierarchy)
     mask, forest = patch._layout(attention_mask, batch, length, query.device, hierarchy)
     q = query.transpose(1, 2)[mask]                                   # [N, H, D]
     k = key.repeat_interleave(groups, dim=1).transpose(1, 2)[mask]
@@ -253,11 +277,61 @@ def hsa_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, v
         if layer not in patch.layers:
             return _original(patch, module)(module, query, key, value, attention_mask,
                                             scaling=scaling, dropout=dropout, **kwargs)
+    timings = patch.timings
+    timings["layer_calls"] += 1
+    timings["examples"] += batch
+    timings["rows"] += q.shape[0]
+    if isinstance(hierarchy, SparsePattern):
+        start = time.perf_counter()
+        out, support = _sparse_attention(hierarchy, query, key.repeat_interleave(groups, dim=1),
+                                         value.repeat_interleave(groups, dim=1), mask,
+                                         dim ** -0.5 if scaling is None else float(scaling))
+        timings["attention_s"] += time.perf_counter() - start
+        count = support.expand(batch, heads, length, length).sum(-1).double()   # [B, H, L]
+        timings["flops"] += 4 * dim * float(count.sum())
+        timings["budget"] += float(count.mean(1)[mask].sum())
+        return out, None
+    if isinstance(hierarchy, InducedHierarchy):
+        start = time.perf_counter()
+        forest = hierarchy.build(k, mask.nonzero(as_tuple=True)[0])
+        timings["tree_s"] += time.perf_counter() - start
+    start = time.perf_counter()
     v = value.repeat_interleave(groups, dim=1).transpose(1, 2)[mask]
     y = hsa(q, k, v, forest, include_self=True, scale=scaling)
     out = query.new_zeros(batch, length, heads, value.shape[-1])
     out[mask] = y.to(out.dtype)
+    timings["attention_s"] += time.perf_counter() - start
+    timings["flops"] += float(attention_flops(forest, dim, heads)["hsa"].sum())
+    timings["budget"] += float(hsa_budget(forest).sum())
     return out, None
+
+
+def _sparse_attention(pattern: SparsePattern, query: Tensor, key: Tensor, value: Tensor,
+                      mask: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    r"""Masked softmax attention on a sparse pattern, ``[B, H, L, D]`` in, ``[B, L, H,
+    Dv]`` out (zeros at pads), with the support ``[B, H or 1, L, L]`` (pad rows
+    empty): the softmax of the logits restricted to each query's
+    support, i.e. softmax attention renormalised over it
+    (:func:`~hsa_graph.pretrained.approximations.sparse_weights`). Positions are ranks
+    among an example's tokens, so pads (on any side) take no place in the pattern."""
+    batch, _, length, _ = query.shape
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scale           # [B, H, L, L]
+    keys = mask[:, None, None, :]
+    if pattern.kind == "topk":
+        p = torch.softmax(logits.masked_fill(~keys, float("-inf")), -1)
+        support = pattern.support(None, p) & keys
+    else:
+        ex, tok = mask.nonzero(as_tuple=True)
+        rows, cols = pattern.support(ex).nonzero(as_tuple=True)
+        padded = torch.zeros(batch, length, length, dtype=torch.bool, device=query.device)
+        padded[ex[rows], tok[rows], tok[cols]] = True
+        support = padded[:, None]
+    support = support & mask[:, None, :, None]
+    # Pad queries have an empty support: they see every key, and are zeroed below.
+    seen = support | ~mask[:, None, :, None]
+    weights = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)
+    out = torch.matmul(weights, value).transpose(1, 2)                   # [B, L, H, Dv]
+    return out * mask[:, :, None, None].to(out.dtype), support
 
 
 def _original(patch: HSAPatch, module: torch.nn.Module):

@@ -109,3 +109,28 @@ def test_token_mask_errors():
         token_mask([[1, 2]])
     with pytest.raises(ValueError, match="batch, length"):
         token_mask([1, 1])
+
+
+def test_induced_hierarchy_checks_and_builds():
+    from hsa_graph.pretrained import InducedHierarchy, SparsePattern, check_hierarchy
+
+    for bad, match in (({"max_children": 1}, "max_children"),
+                       ({"max_children": True}, "max_children"),
+                       ({"method": "random"}, "method"), ({"pool": "max"}, "pool")):
+        with pytest.raises(ValueError, match=match):
+            InducedHierarchy(**{"max_children": 4, **bad})
+    assert check_hierarchy(InducedHierarchy(4)) is None
+    assert check_hierarchy(SparsePattern("local", 2)) is None
+    mask = torch.tensor([[True] * 5 + [False], [True] * 6])
+    with pytest.raises(ValueError, match="induced:4 is built inside each layer"):
+        resolve_hierarchy(InducedHierarchy(4), mask)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(11, 2, 3, generator=g)
+    batch = torch.tensor([0] * 5 + [1] * 6)
+    for method in ("contiguous", "cluster"):
+        tree = InducedHierarchy(2, method).build(keys, batch)
+        st = tree.structure
+        assert st.num_trees == 2 and torch.equal(st.leaf_tree, batch)
+        assert int(st._family_sizes.max()) <= 2
+    with pytest.raises(ValueError, match="keys must be"):
+        InducedHierarchy(2).build(keys[0, 0], batch)

@@ -190,3 +190,88 @@ def test_deleted_patched_model_is_freed_without_unpatch():
         _ = patch.model
     patch.unpatch()      # harmless once the model is gone
     assert "deleted model" in repr(patch)
+
+
+def _layer0_by_hand(model, h0, mask, weights_of):
+    """Layer 0 recomputed from its own projections with attention weights
+    ``weights_of(q, k, v, scale) -> [H, N, N]`` over the non-pad tokens."""
+    layer = model.encoder.layer[0]
+    attn = layer.attention.self
+    heads, dim = attn.num_attention_heads, attn.attention_head_size
+    with torch.no_grad():
+        x = h0[mask]
+        q, k, v = (proj(x).view(-1, heads, dim).double()
+                   for proj in (attn.query, attn.key, attn.value))
+        theta = weights_of(q, k, attn.scaling)
+        ctx = torch.einsum("hij,jhd->ihd", theta, v).reshape(-1, heads * dim).float()
+        full = torch.zeros(*mask.shape, heads * dim)
+        full[mask] = ctx
+        return layer.output(layer.intermediate(layer.attention.output(full, h0)),
+                            layer.attention.output(full, h0)), k
+
+
+def test_induced_hierarchy_is_built_from_the_layers_keys(minilm, sentences):
+    """induced:C: the layer's own keys (heads concatenated) through contiguous_tree,
+    then exact HSA; recomputed by hand with the dense reference."""
+    from hsa_graph.induce import contiguous_tree
+    from hsa_graph.pretrained.hierarchy import InducedHierarchy
+
+    model, tokenizer = minilm
+    batch = _batch(tokenizer, sentences[:3])
+    mask = batch["attention_mask"].bool()
+    rows_of = mask.nonzero(as_tuple=True)[0]
+    induced = InducedHierarchy(3)
+    with patch_hsa(model, layers=[0], hierarchy=induced) as patch:
+        out = _run(model, batch).hidden_states
+        timings = dict(patch.timings)
+    trees = {}
+
+    def weights(q, k, scale):
+        tree = contiguous_tree(k.float().flatten(1), rows_of, max_children=3)
+        trees["tree"] = tree
+        return dense_hsa_weights(tree.parent, q, k, scale=scale)
+
+    expected, _ = _layer0_by_hand(model, out[0], mask, weights)
+    assert (out[1][mask] - expected[mask]).abs().max() < 1e-4
+    tree = trees["tree"]
+    assert tree.structure.num_trees == 3 and torch.equal(tree.structure.leaf_tree, rows_of)
+    # the tree is the data's: not the hopping windows of the same family bound
+    windows = window_hierarchy(batch["attention_mask"], (3, 3, 3, 3))
+    assert not torch.equal(tree.parent, windows.parent)
+    assert timings["layer_calls"] == 1 and timings["tree_s"] > 0
+    assert timings["rows"] == int(mask.sum())
+
+
+@pytest.mark.parametrize("name", ["local:2", "fixed:4", "bigbird:1", "topk:5"])
+def test_sparse_pattern_is_masked_attention(minilm, sentences, name):
+    """A SparsePattern in a patched layer: softmax renormalised over the pattern's
+    support (sparse_weights), recomputed by hand; pads take no place in it."""
+    from hsa_graph.pretrained import softmax_weights
+    from hsa_graph.pretrained.approximations import sparse_weights
+    from hsa_graph.pretrained.zero_shot import parse_hierarchy
+
+    model, tokenizer = minilm
+    tokenizer.padding_side = "left"      # pads first: positions must skip them
+    try:
+        batch = _batch(tokenizer, sentences[:3])
+    finally:
+        tokenizer.padding_side = "right"
+    mask = batch["attention_mask"].bool()
+    assert not bool(mask[:, 0].all())
+    rows_of = mask.nonzero(as_tuple=True)[0]
+    pattern = parse_hierarchy(name)
+    with patch_hsa(model, layers=[0], hierarchy=pattern) as patch:
+        out = _run(model, batch).hidden_states
+        timings = dict(patch.timings)
+    flat = window_hierarchy(batch["attention_mask"], ())
+
+    def weights(q, k, scale):
+        p = softmax_weights(q, k, flat, scale)
+        return sparse_weights(p, pattern.support(rows_of, p))
+
+    expected, _ = _layer0_by_hand(model, out[0], mask, weights)
+    assert (out[1][mask] - expected[mask]).abs().max() < 1e-4
+    with torch.no_grad():
+        original = model(**batch, output_hidden_states=True).hidden_states[1]
+    assert (original[mask] - out[1][mask]).abs().max() > 1e-3
+    assert timings["budget"] / timings["rows"] < mask.sum(1).double().mean()

@@ -92,3 +92,50 @@ def test_quick_run_hsa_has_the_lowest_kl(quick):
             assert hsa.shape == (6, 12) and bool((hsa > 0).all())
             for other in ("block_average", "pooled_softmax"):
                 assert bool((hsa <= torch.tensor(per[other]) + 1e-9).all())
+
+
+def test_parse_hierarchy_induced_and_sparse():
+    from hsa_graph.pretrained.approximations import SparsePattern
+    from hsa_graph.pretrained.hierarchy import InducedHierarchy
+
+    assert zero_shot.parse_hierarchy("induced:4") == InducedHierarchy(4, "contiguous")
+    assert zero_shot.parse_hierarchy("cluster:8") == InducedHierarchy(8, "cluster")
+    assert zero_shot.parse_hierarchy("induced:4/mean").pool == "mean"
+    assert zero_shot.parse_hierarchy("topk:16") == SparsePattern("topk", 16)
+    for bad, match in (("induced:1", "max_children"), ("induced:x", "KIND:SIZE"),
+                       ("ring:4", "KIND:SIZE"), ("topk:0", "topk size"),
+                       ("local:-1", "KIND:SIZE"), ("local:2/mean", "induced hierarchies only")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            zero_shot.parse_hierarchy(bad)
+
+
+def test_quick_run_budget_comparison(quick):
+    out, results = quick
+    assert (out / "kl_budget.png").stat().st_size > 10_000
+    assert "## HSA vs sparse attention at matched budgets" in (out / "results.md").read_text()
+    for group, table in results["budget"].items():
+        methods = table["methods"]
+        # the same KL as the KL table's HSA on the same texts (two code paths)
+        for name in ("(2, 4, 8, 16)", "semantic"):
+            expected = torch.tensor(results["kl"][group]["kl"][name]["hsa"])
+            assert torch.allclose(torch.tensor(methods[name]["kl"]), expected, atol=1e-9)
+        for kind in ("local", "topk"):   # nested supports: KL falls as the size grows
+            points = sorted((m["size"], m["kl_mean"], m["budget"]) for m in methods.values()
+                            if m["kind"] == kind)
+            assert len(points) > 3
+            assert all(b[1] <= a[1] + 1e-9 and b[2] >= a[2] for a, b in zip(points, points[1:]))
+        for name, row in table["matched"].items():
+            assert methods[name]["kind"] == "hsa" and row["sparse"]
+            for s in row["sparse"].values():
+                assert s["budget"] <= row["budget"] + 1e-9
+                assert 0.0 <= s["hsa_lower_heads"] <= 1.0
+        assert methods["induced:4"]["tree_ms_per_layer"] > 0
+        assert methods["(2, 4, 8, 16)"]["tree_ms_per_layer"] == 0
+    rows = {r["hierarchy"]: r for r in results["budget_probe"]}
+    assert {"(2, 4, 8, 16)", "semantic", "induced:4", "cluster:4", "local:4", "topk:8"} <= set(rows)
+    for r in rows.values():
+        assert r["layers"] == [1, 3, 5] and 0.0 <= r["accuracy"] <= 1.0
+        assert 0.0 < r["cosine_mean"] <= 1.0 and r["mflops_hsa_mean"] > 0
+    assert rows["induced:4"]["tree_ms_per_layer"] > 0
+    assert rows["(2, 4, 8, 16)"]["budget_mean"] > 1
+    assert set(results["goals"]) == {"sentences", "reviews", "probe"}
