@@ -35,8 +35,14 @@ import torch
 from torch import Tensor
 
 from .hsa import _log_ratio, _logaddexp, hsa_statistics
-from .inputs import (check_scale, check_tensors, compute_dtype, no_autocast,
-                     prepare_attention, resolve_structure)
+from .inputs import (
+    check_scale,
+    check_tensors,
+    compute_dtype,
+    no_autocast,
+    prepare_attention,
+    resolve_structure,
+)
 
 __all__ = ["HSACache", "BatchedHSACache", "parents_of_moves"]
 
@@ -234,7 +240,7 @@ class BatchedHSACache:
         >>> import torch, hsa_graph
         >>> from hsa_graph.ops.cache import BatchedHSACache
         >>> from hsa_graph.ops.causal import causal_hsa
-        >>> q, k, v = torch.randn(3, 2, 4, 2, 8, dtype=torch.float64)   # [3 steps, B=2]
+        >>> q, k, v = torch.randn(3, 3, 2, 2, 8, dtype=torch.float64)   # [steps, B, H, D]
         >>> cache = BatchedHSACache(batch_size=2)
         >>> y0 = cache.step(q[0], k[0], v[0], depth=[2, 1])   # sequence 1 is flat
         >>> y1 = cache.step(q[1], k[1], v[1], attach=[0, None])   # 0: a new sentence
@@ -452,7 +458,7 @@ class BatchedHSACache:
             kept = kept.to(self._device())
             self._state = {name: t.index_select(0, kept) for name, t in self._state.items()}
 
-    def extend(self, other: "BatchedHSACache") -> List[int]:
+    def extend(self, other: BatchedHSACache) -> List[int]:
         """Move the sequences of ``other`` (same ``include_self``, ``scale`` and token
         shapes) to the end of this batch; returns their new row indices. ``other`` is
         left empty."""

@@ -280,7 +280,7 @@ def test_extend_moves_sequences_in():
 
 def test_batched_state_is_b_times_depth_not_tokens():
     # 16-ary tree of depth 3 over 4,096 tokens: the state holds <= 15 children per level
-    b, depth, n = 16, 3, 16 ** 3
+    depth, n = 3, 16 ** 3
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 2, 4, generator=g) for _ in range(3))
     parent = [-1]
