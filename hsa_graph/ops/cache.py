@@ -683,7 +683,8 @@ class BatchedHSACache:
         return y
 
     # ----------------------------------------------------------------- prefill
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, tree) -> Tensor:
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, tree,
+                return_outputs: bool = True) -> Optional[Tensor]:
         r"""Start one sequence per tree of ``tree`` from its prompt, in one vectorised
         pass, and return the prompt's causal HSA outputs.
 
@@ -700,10 +701,12 @@ class BatchedHSACache:
                 per tree, in tree order).
             tree: the prompts' trees (leaves in document order, every node's leaves
                 contiguous, every leaf below a root).
+            return_outputs: ``False`` skips the prompt's outputs (the state alone).
 
         Returns:
-            ``[N, H, Dv]``: :func:`~hsa_graph.ops.causal.causal_hsa` on the prompts.
-            The new sequences are the last rows of the batch.
+            ``[N, H, Dv]``: :func:`~hsa_graph.ops.causal.causal_hsa` on the prompts
+            (``None`` with ``return_outputs=False``). The new sequences are the last
+            rows of the batch.
 
         Raises:
             ValueError: as :func:`~hsa_graph.ops.causal.causal_hsa` (with the finiteness
@@ -800,6 +803,8 @@ class BatchedHSACache:
         fresh._depth = depth_host.clone()
         fresh._tokens = torch.bincount(st.leaf_tree, minlength=p).cpu()
         self.extend(fresh)
+        if not return_outputs:
+            return None
         return causal_hsa(q, k, v, tree, include_self=self.include_self, scale=self.scale)
 
 
