@@ -1,22 +1,23 @@
-"""Per-token cost of generating with causal HSA: hierarchical cache vs recomputation vs a
-flat KV cache, as the sequence grows.
+"""Generation with causal HSA: the batched hierarchical cache against a flat KV cache.
 
-The tree is a balanced ``b``-ary hierarchy over the tokens (hopping windows of ``b``
-tokens, ``b`` windows, ...; leaves at a fixed depth so that it holds ``max_len``
-tokens): token ``i`` closes one level per trailing zero of ``i`` in base ``b``.
-For each length ``L`` the script times
+The trees are balanced ``b``-ary hierarchies over the tokens (``b`` tokens per window,
+``b`` windows per window above, ...), deep enough to hold each length. The script
+prints, and writes to ``benchmarks/results/bench_cache.{json,md}``:
 
-* **hsa cache**: :meth:`hsa_graph.ops.cache.HSACache.append` of the next tokens
-  (``O(b * depth * D)`` per token, depth = ``log_b max_len``);
-* **recompute**: :func:`hsa_graph.ops.causal.causal_hsa` over all ``L`` tokens, which is
-  what generation without a cache does for every new token;
-* **flat kv cache**: ``scaled_dot_product_attention`` of the new query over all ``L``
-  cached keys and values (a standard transformer's KV cache, ``O(L * D)`` per token);
+* **per step**: one :meth:`~hsa_graph.ops.cache.BatchedHSACache.step` (the next token of
+  every sequence) at ``B = 1`` with 4,096 and 65,536 cached tokens and at ``B = 32``
+  with 4,096 each, against a flat KV cache's step: write the new key and value, then
+  one batched ``scaled_dot_product_attention`` of the new queries over all cached keys
+  and values. The caches are filled with :meth:`prefill` (untimed).
+* **prefill**: :meth:`~hsa_graph.ops.cache.BatchedHSACache.prefill` of a 4,096-token
+  prompt (state and outputs) against :func:`~hsa_graph.ops.causal.causal_hsa`'s
+  forward on it;
+* **state bytes** per sequence at 4k / 64k / 1M tokens against a flat KV cache
+  (``2 L H D`` numbers): measured where a cache was built, from
+  :meth:`~hsa_graph.ops.cache.BatchedHSACache.bytes_for` at 1M.
 
-and the memory each keeps (floating-point numbers). Writes ``bench_cache.json``,
-``bench_cache.md`` and ``bench_cache.png`` to ``benchmarks/results/``.
-
-Run: ``python benchmarks/bench_cache.py`` (``--quick`` stops at 4,096 tokens).
+Run: ``python benchmarks/bench_cache.py`` (``--quick``: tiny sizes, a check that the
+script works; it prints and writes nothing else).
 """
 from __future__ import annotations
 
@@ -25,20 +26,34 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
 import hsa_graph
-from hsa_graph.ops.cache import HSACache
+from hsa_graph.ops.cache import BatchedHSACache
 from hsa_graph.ops.causal import causal_hsa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def balanced_parents(branching: int, depth: int) -> torch.Tensor:
+    """Parent array of the complete ``branching``-ary tree of ``depth`` levels below the
+    root, node ids level by level (so leaves are the last ``branching ** depth`` ids, in
+    order)."""
+    parts = [torch.tensor([-1])]
+    first = 0                                   # id of the first node of the level above
+    for d in range(1, depth + 1):
+        count = branching ** d
+        parts.append(first + torch.arange(count) // branching)
+        first += branching ** (d - 1)
+    return torch.cat(parts)
+
+
 def attach_of(i: int, branching: int, depth: int) -> int:
-    """Depth of the node token ``i`` hangs under: one level up per trailing zero of
-    ``i`` in base ``branching``."""
+    """Depth of the node token ``i`` of the balanced tree hangs under: one level up per
+    trailing zero of ``i`` in base ``branching``."""
     closes = 0
     while i % branching == 0 and closes < depth - 1:
         i //= branching
@@ -46,101 +61,139 @@ def attach_of(i: int, branching: int, depth: int) -> int:
     return depth - 1 - closes
 
 
-def cache_floats(cache: HSACache) -> int:
-    total = 0
-    for level in cache.levels:
-        for name in ("rq", "rk", "rv", "logn", "lam", "fixed"):
-            t = getattr(level, name)
-            total += 0 if t is None else t.numel()
-    return total
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def step_row(batch: int, length: int, args, gen: torch.Generator) -> Dict:
+    """Per-step time of the hierarchical and the flat KV cache, ``batch`` sequences of
+    ``length`` cached tokens."""
+    b, h, d = args.branching, args.heads, args.dim
+    depth = max(1, math.ceil(math.log(length + args.steps, b) - 1e-9))
+    tree = hsa_graph.NestedSignal.from_parents(balanced_parents(b, depth).tolist())
+    n_tree = tree.num_leaves
+    q, k, v = (torch.randn(length + args.steps, h, d, generator=gen) for _ in range(3))
+    # prompts: the first ``length`` leaves of the tree, the same for every sequence
+    prompt = hsa_graph.NestedSignal.from_parents(
+        hsa_graph.ops.cache.parents_of_moves(hsa_graph.HSACache.moves_of(tree)[:length]))
+    forest = prompt if batch == 1 else hsa_graph.collate([prompt] * batch)
+    rep = lambda t: t[:length].repeat(batch, 1, 1)  # noqa: E731
+    cache = BatchedHSACache()
+    cache.prefill(rep(q), rep(k), rep(v), forest, return_outputs=False)
+    kv_k = torch.zeros(batch, h, length + args.steps, d)
+    kv_v = torch.zeros_like(kv_k)
+    kv_k[:, :, :length] = k[:length].transpose(0, 1)
+    kv_v[:, :, :length] = v[:length].transpose(0, 1)
+    t_hsa = t_flat = float("inf")
+    for i in range(length, length + args.steps):
+        qi, ki, vi = (t[i].expand(batch, h, d).contiguous() for t in (q, k, v))
+        place = attach_of(i, b, depth) if i < n_tree else 0
+        start = time.perf_counter()
+        cache.step(qi, ki, vi, attach=place)
+        t_hsa = min(t_hsa, time.perf_counter() - start)
+        start = time.perf_counter()
+        kv_k[:, :, i], kv_v[:, :, i] = ki, vi
+        F.scaled_dot_product_attention(qi.unsqueeze(2), kv_k[:, :, :i + 1], kv_v[:, :, :i + 1])
+        t_flat = min(t_flat, time.perf_counter() - start)
+    return dict(batch=batch, tokens=length, depth=depth, hsa_step_ms=1e3 * t_hsa,
+                flat_kv_step_ms=1e3 * t_flat, ratio=t_hsa / t_flat,
+                state_bytes_per_sequence=cache.state_bytes(per_sequence=True),
+                flat_kv_bytes_per_sequence=2 * (length + args.steps) * h * d * 4)
+
+
+def prefill_row(length: int, args, gen: torch.Generator) -> Dict:
+    b, h, d = args.branching, args.heads, args.dim
+    depth = max(1, math.ceil(math.log(length, b) - 1e-9))
+    parents = balanced_parents(b, depth)
+    tree = hsa_graph.NestedSignal.from_parents(
+        hsa_graph.ops.cache.parents_of_moves(hsa_graph.HSACache.moves_of(
+            hsa_graph.NestedSignal.from_parents(parents.tolist()))[:length]))
+    q, k, v = (torch.randn(length, h, d, generator=gen) for _ in range(3))
+    causal_hsa(q, k, v, tree)                       # the layout, built once per tree
+    t_prefill = best_of(lambda: BatchedHSACache().prefill(q, k, v, tree), args.repeats)
+    t_causal = best_of(lambda: causal_hsa(q, k, v, tree), args.repeats)
+    return dict(tokens=length, depth=depth, prefill_ms=1e3 * t_prefill,
+                causal_hsa_ms=1e3 * t_causal, ratio=t_prefill / t_causal)
+
+
+def memory_rows(args, measured: List[Dict]) -> List[Dict]:
+    h, d, b = args.heads, args.dim, args.branching
+    rows = []
+    for tokens in args.memory_tokens:
+        depth = max(1, math.ceil(math.log(tokens, b) - 1e-9))
+        hit = [r for r in measured if r["tokens"] == tokens and r["batch"] == 1]
+        hsa_bytes = (hit[0]["state_bytes_per_sequence"] if hit else
+                     BatchedHSACache.bytes_for(depth, 2 * (b - 1), h, d))
+        flat = 2 * tokens * h * d * 4
+        rows.append(dict(tokens=tokens, depth=depth, hsa_bytes=hsa_bytes, flat_kv_bytes=flat,
+                         measured=bool(hit), ratio=flat / hsa_bytes))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, print only")
     parser.add_argument("--branching", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64, help="timed tokens per length")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (best of)")
+    parser.add_argument("--repeats", type=int, default=3, help="prefill timings (best of)")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    lengths = [256, 1024, 4096] + ([] if args.quick else [16384])
-    max_len = lengths[-1] + args.tokens
-    b, h, d = args.branching, args.heads, args.dim
-    depth = max(1, math.ceil(math.log(max_len, b)))
+    if args.quick:
+        args.branching, args.heads, args.dim, args.steps, args.repeats = 4, 2, 8, 3, 1
+        step_configs, prefill_len = [(1, 64), (1, 256), (4, 64)], 64
+        args.memory_tokens = [64, 256, 4096]
+    else:
+        step_configs, prefill_len = [(1, 4096), (1, 65536), (32, 4096)], 4096
+        args.memory_tokens = [4096, 65536, 1 << 20]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(max_len, h, d, generator=gen) for _ in range(3))
-
-    cache = HSACache()
-    kv_k, kv_v = torch.empty(max_len, h, d), torch.empty(max_len, h, d)
-    rows = []
-    n = 0
-    for length in lengths:
-        while n < length:  # grow the cache (untimed)
-            place = dict(depth=depth) if n == 0 else dict(attach=attach_of(n, b, depth))
-            cache.append(q[n], k[n], v[n], **place)
-            n += 1
-        # hierarchical cache: the next tokens
-        start = time.perf_counter()
-        for _ in range(args.tokens):
-            cache.append(q[n], k[n], v[n], attach=attach_of(n, b, depth))
-            n += 1
-        t_cache = (time.perf_counter() - start) / args.tokens
-        # flat KV cache: same number of tokens around this length
-        kv_k[:n], kv_v[:n] = k[:n], v[:n]
-        start = time.perf_counter()
-        for j in range(n - args.tokens, n):
-            kv_k[j], kv_v[j] = k[j], v[j]
-            F.scaled_dot_product_attention(q[j].unsqueeze(1), kv_k[:j + 1].transpose(0, 1),
-                                           kv_v[:j + 1].transpose(0, 1))
-        t_flat = (time.perf_counter() - start) / args.tokens
-        # recomputation over the whole prefix, once (best of 2)
-        tree = hsa_graph.NestedSignal.from_parents(cache.parent)
-        t_full = float("inf")
-        for _ in range(2):
-            start = time.perf_counter()
-            causal_hsa(q[:n], k[:n], v[:n], tree)
-            t_full = min(t_full, time.perf_counter() - start)
-        rows.append(dict(length=n, depth=depth, cache_ms=1e3 * t_cache, flat_kv_ms=1e3 * t_flat,
-                         recompute_ms=1e3 * t_full, cache_floats=cache_floats(cache),
-                         flat_kv_floats=2 * n * h * d))
-        print(f"L={n:6d}  cache {rows[-1]['cache_ms']:.3f} ms/token  flat kv "
-              f"{rows[-1]['flat_kv_ms']:.3f} ms/token  recompute {rows[-1]['recompute_ms']:.1f} "
-              f"ms/token  cache floats {rows[-1]['cache_floats']}  kv floats "
-              f"{rows[-1]['flat_kv_floats']}", flush=True)
+    steps = []
+    for batch, length in step_configs:
+        steps.append(step_row(batch, length, args, gen))
+        r = steps[-1]
+        print(f"step B={batch:2d} at {length:6d} tokens: hsa {r['hsa_step_ms']:.3f} ms, flat kv "
+              f"{r['flat_kv_step_ms']:.3f} ms, hsa / flat {r['ratio']:.2f}", flush=True)
+    prefill = prefill_row(prefill_len, args, gen)
+    print(f"prefill {prefill_len} tokens: {prefill['prefill_ms']:.1f} ms vs causal_hsa "
+          f"{prefill['causal_hsa_ms']:.1f} ms ({prefill['ratio']:.2f}x)", flush=True)
+    memory = memory_rows(args, steps)
+    for r in memory:
+        print(f"state at {r['tokens']:8d} tokens: hsa {r['hsa_bytes']:,} B vs flat kv "
+              f"{r['flat_kv_bytes']:,} B ({r['ratio']:.0f}x smaller"
+              f"{'' if r['measured'] else ', from bytes_for'})")
+    if args.quick:
+        return
 
     RESULTS.mkdir(exist_ok=True)
-    meta = dict(branching=b, heads=h, dim=d, depth=depth, timed_tokens=args.tokens,
-                threads=args.threads, torch=torch.__version__, rows=rows)
+    meta = dict(branching=args.branching, heads=args.heads, dim=args.dim,
+                timed_steps=args.steps, threads=args.threads, dtype="float32",
+                torch=torch.__version__, steps=steps, prefill=prefill, memory=memory)
     (RESULTS / "bench_cache.json").write_text(json.dumps(meta, indent=2))
-    lines = [f"Per-token generation cost, balanced {b}-ary tree of depth {depth}, "
-             f"H={h}, D={d}, {args.threads} thread(s), CPU.", "",
-             "| tokens | hsa cache (ms/token) | flat KV cache (ms/token) | "
-             "recompute causal_hsa (ms/token) | hsa cache floats | flat KV floats |",
+    lines = [f"Generation with the batched HSA cache vs a flat KV cache: balanced "
+             f"{args.branching}-ary trees, H={args.heads}, D={args.dim}, float32, "
+             f"{args.threads} thread(s), CPU, best of {args.steps} steps.", "",
+             "| B | cached tokens | depth | hsa step (ms) | flat KV step (ms) | hsa / flat |",
              "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['length']} | {r['cache_ms']:.3f} | {r['flat_kv_ms']:.3f} | "
-                     f"{r['recompute_ms']:.1f} | {r['cache_floats']} | {r['flat_kv_floats']} |")
+    lines += [f"| {r['batch']} | {r['tokens']} | {r['depth']} | {r['hsa_step_ms']:.3f} | "
+              f"{r['flat_kv_step_ms']:.3f} | {r['ratio']:.2f} |" for r in steps]
+    lines += ["", "| prefill tokens | prefill (ms) | causal_hsa forward (ms) | ratio |",
+              "|---:|---:|---:|---:|",
+              f"| {prefill['tokens']} | {prefill['prefill_ms']:.1f} | "
+              f"{prefill['causal_hsa_ms']:.1f} | {prefill['ratio']:.2f} |", "",
+              "| tokens | hsa state (bytes / sequence) | flat KV (bytes / sequence) | "
+              "flat / hsa |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['tokens']} | {r['hsa_bytes']:,}{'' if r['measured'] else ' (bytes_for)'} "
+              f"| {r['flat_kv_bytes']:,} | {r['ratio']:.0f} |" for r in memory]
     (RESULTS / "bench_cache.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = [r["length"] for r in rows]
-    for key, label in (("cache_ms", "hsa cache"), ("flat_kv_ms", "flat KV cache"),
-                       ("recompute_ms", "recompute (causal_hsa)")):
-        ax.loglog(x, [r[key] for r in rows], "o-", label=label)
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("ms per generated token")
-    ax.set_title(f"Causal HSA generation, {b}-ary tree, H={h}, D={d}")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "bench_cache.png", dpi=120)
-    print(f"wrote {RESULTS / 'bench_cache.json'}, .md, .png")
+    print(f"wrote {RESULTS / 'bench_cache.json'}, .md")
 
 
 if __name__ == "__main__":

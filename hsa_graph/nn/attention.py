@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import LayerNorm, Linear, Module
 
 from ..geometry import PositionEncoder
-from ..ops.cache import HSACache
+from ..ops.cache import BatchedHSACache, HSACache
 from ..ops.causal import causal_hsa
 from ..ops.hsa import hsa
 from ..ops.inputs import compute_dtype, no_autocast
@@ -378,20 +378,80 @@ class HSAttention(Module):
                                 else ""))
         return target
 
-    def new_cache(self) -> HSACache:
-        """An empty :class:`~hsa_graph.HSACache` for :meth:`step`, with this layer's
-        ``include_self`` and ``scale`` (one cache per layer and sequence).
+    def new_cache(self, batch_size: Optional[int] = None
+                  ) -> Union[HSACache, BatchedHSACache]:
+        """An empty cache for :meth:`step`, with this layer's ``include_self`` and
+        ``scale``: an :class:`~hsa_graph.HSACache` (one sequence, tokens ``[F]``), or
+        with ``batch_size`` a :class:`~hsa_graph.ops.cache.BatchedHSACache` of that
+        many empty sequences (tokens ``[B, F]``; :meth:`prefill` adds prompts).
 
         Raises:
-            ValueError: the layer is not causal.
+            ValueError: the layer is not causal, or a bad ``batch_size``.
         """
         self._check_generates("new_cache")
-        return HSACache(include_self=self.include_self, scale=self.scale)
+        if batch_size is None:
+            return HSACache(include_self=self.include_self, scale=self.scale)
+        return BatchedHSACache(batch_size, include_self=self.include_self, scale=self.scale)
 
-    def step(self, x: Tensor, cache: HSACache, *, modality: Optional[int] = None,
-             **where: int) -> Tensor:
-        r"""The output for one new token, equal (to rounding) to its row of the
-        parallel causal :meth:`forward` on the tree the calls so far have built.
+    def _check_cache(self, cache, kinds: tuple) -> None:
+        if not isinstance(cache, kinds):
+            names = " or ".join(kind.__name__ for kind in kinds)
+            raise TypeError(f"cache must be an {names} (from new_cache()), got "
+                            f"{type(cache).__name__}")
+        if cache.include_self != self.include_self or cache.scale != (
+                None if self.scale is None else float(self.scale)):
+            raise ValueError(
+                f"cache was made with include_self={cache.include_self}, "
+                f"scale={cache.scale} but this layer has include_self={self.include_self}, "
+                f"scale={self.scale}: make it with this layer's new_cache()")
+
+    def prefill(self, x: Tensor, tree, cache: BatchedHSACache,
+                modality: Optional[Tensor] = None) -> Tensor:
+        r"""Start one sequence of ``cache`` per tree of ``tree`` from its prompt and return
+        the prompt's outputs ``[N, out_channels]``: :meth:`forward` on it, while the
+        cache takes the state that stepping through the prompt would build
+        (:meth:`BatchedHSACache.prefill <hsa_graph.ops.cache.BatchedHSACache.prefill>`).
+
+        Args:
+            x: ``[N, F]`` leaf rows of ``tree`` (one tree or a batch: one sequence each).
+            tree: the prompts' trees; cache: a batched cache from :meth:`new_cache`.
+            modality: leaf modality tags ``[N]`` (else read from ``tree`` as in
+                :meth:`forward`).
+
+        Raises:
+            ValueError / TypeError: as :meth:`forward` and :meth:`step`.
+        """
+        self._check_generates("prefill")
+        self._refuse_positions("prefill")
+        self._check_cache(cache, (BatchedHSACache,))
+        structure = _structure(tree, x, self)
+        n = structure.num_leaves
+        if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape [N, {self.in_channels}] with one row per leaf "
+                             f"(N = {n}), got {tuple(x.shape)}")
+        if modality is None:
+            modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
+        q, k, v = self._project(x, modality)
+        # with attention "none" the cache still records the prompts' trees
+        target = tree if self.attention == "none" else self.attention_tree(tree)
+        dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
+        with no_autocast(x.device):
+            y = cache.prefill(q.to(dtype), k.to(dtype), v.to(dtype), target)
+        y = v if self.attention == "none" else y.to(v.dtype)
+        return self._finish(y, q)
+
+    def _refuse_positions(self, what: str) -> None:
+        if self.pos_encoder is not None:
+            raise ValueError(
+                f"HSAttention.{what} does not support position embeddings (pos_dim="
+                f"{self.pos_dim}): a node's embedding comes from its place in its "
+                "parent's geometry, which needs the whole tree; use pos_dim=None to "
+                "generate token by token")
+
+    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache], *,
+             modality: Optional[Union[int, Tensor]] = None, **where: Any) -> Tensor:
+        r"""The output for one new token (per sequence), equal (to rounding) to its row of
+        the parallel causal :meth:`forward` on the tree the calls so far have built.
 
         The token is projected (per modality), normalised, attended with
         :meth:`HSACache.append <hsa_graph.HSACache.append>` (which stores it) and
@@ -402,49 +462,39 @@ class HSAttention(Module):
         ``cache.parent`` and ``cache.num_tokens`` follow the tree).
 
         Args:
-            x: the token's features ``[F]``.
+            x: the token's features ``[F]``; ``[B, F]`` (one token per sequence) with a
+                :class:`~hsa_graph.ops.cache.BatchedHSACache`.
             cache: from :meth:`new_cache`.
             modality: the token's modality tag (needed when ``num_modalities > 1``,
-                ignored otherwise, as ``tree.modality`` is in :meth:`forward`).
+                ignored otherwise, as ``tree.modality`` is in :meth:`forward`); for a
+                batch an int for all or an integer tensor ``[B]``.
             **where: ``attach`` / ``depth``, where the token hangs (see
-                :meth:`HSACache.append <hsa_graph.HSACache.append>`).
+                :meth:`HSACache.append <hsa_graph.HSACache.append>`; per sequence for
+                a batch, see :meth:`BatchedHSACache.step
+                <hsa_graph.ops.cache.BatchedHSACache.step>`).
 
         Returns:
-            ``[out_channels]``.
+            ``[out_channels]`` (``[B, out_channels]`` for a batch).
 
         Raises:
             ValueError: the layer is not causal or has position embeddings
                 (``pos_dim``: a node's embedding needs the whole tree), ``x`` is not
-                ``[F]``, ``cache`` was made with another ``include_self`` / ``scale``,
-                a bad ``modality`` or placement.
+                ``[F]`` (``[B, F]``), ``cache`` was made with another ``include_self`` /
+                ``scale``, a bad ``modality`` or placement.
             TypeError: ``x`` is not a floating tensor of the parameters' dtype,
-                ``cache`` is not an :class:`~hsa_graph.HSACache`, or an unknown
-                keyword.
+                ``cache`` is not an :class:`~hsa_graph.HSACache` (or batched one), or
+                an unknown keyword.
         """
         self._check_generates("step")
-        if self.pos_encoder is not None:
-            raise ValueError(
-                "HSAttention.step does not support position embeddings (pos_dim="
-                f"{self.pos_dim}): a node's embedding comes from its place in its "
-                "parent's geometry, which needs the whole tree; use pos_dim=None to "
-                "generate token by token")
+        self._refuse_positions("step")
         check_features(self, x)
+        if isinstance(cache, BatchedHSACache):
+            return self._step_batch(x, cache, modality, where)
         if x.dim() != 1 or x.shape[0] != self.in_channels:
             raise ValueError(f"x must be one token of shape [{self.in_channels}], got "
                              f"{tuple(x.shape)}")
-        if not isinstance(cache, HSACache):
-            raise TypeError(f"cache must be an HSACache (from new_cache()), got "
-                            f"{type(cache).__name__}")
-        if cache.include_self != self.include_self or cache.scale != (
-                None if self.scale is None else float(self.scale)):
-            raise ValueError(
-                f"cache was made with include_self={cache.include_self}, "
-                f"scale={cache.scale} but this layer has include_self={self.include_self}, "
-                f"scale={self.scale}: make it with this layer's new_cache()")
-        unknown = sorted(set(where) - {"attach", "depth"})
-        if unknown:
-            raise TypeError(f"step got unexpected keyword(s) {unknown}; a placement is "
-                            "attach= and/or depth=")
+        self._check_cache(cache, (HSACache,))
+        self._check_where(where)
         tag = self._token_modality(modality, x.device)
         q, k, v = self._project(x[None], tag)
         if self.attention == "flat":   # one root over all tokens, as flatten(tree)
@@ -454,6 +504,49 @@ class HSAttention(Module):
             y = cache.append(q[0].to(dtype), k[0].to(dtype), v[0].to(dtype), **where)
         y = v[0] if self.attention == "none" else y.to(v.dtype)
         return self._finish(y[None], q)[0]
+
+    @staticmethod
+    def _check_where(where: Dict[str, Any]) -> None:
+        unknown = sorted(set(where) - {"attach", "depth"})
+        if unknown:
+            raise TypeError(f"step got unexpected keyword(s) {unknown}; a placement is "
+                            "attach= and/or depth=")
+
+    def _step_batch(self, x: Tensor, cache: BatchedHSACache, modality, where) -> Tensor:
+        """:meth:`step` for a batch of sequences: ``[B, F]`` -> ``[B, out_channels]``."""
+        self._check_cache(cache, (BatchedHSACache,))
+        self._check_where(where)
+        if x.dim() != 2 or x.shape[1] != self.in_channels or x.shape[0] != cache.batch_size:
+            raise ValueError(f"x must have shape [B, {self.in_channels}] with B = "
+                             f"{cache.batch_size} sequences (one token each), got "
+                             f"{tuple(x.shape)}")
+        tags = self._batch_modality(modality, x.shape[0], x.device)
+        q, k, v = self._project(x, tags)
+        if self.attention == "flat":   # one root over all tokens, as flatten(tree)
+            where = {}
+        dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
+        with no_autocast(x.device):
+            y = cache.step(q.to(dtype), k.to(dtype), v.to(dtype), **where)
+        y = v if self.attention == "none" else y.to(v.dtype)
+        return self._finish(y, q)
+
+    def _batch_modality(self, modality, batch: int, device: torch.device
+                        ) -> Optional[Tensor]:
+        if self.num_modalities <= 1:
+            return None
+        if isinstance(modality, Tensor):
+            if modality.is_floating_point() or modality.dtype == torch.bool or \
+                    modality.shape != (batch,):
+                raise TypeError(f"modality must be an integer tensor [B] (B = {batch}), got "
+                                f"a {modality.dtype} tensor of shape {tuple(modality.shape)}")
+            bad = (modality < 0) | (modality >= self.num_modalities)
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ValueError(f"modality[{row}] = {int(modality[row])} is outside "
+                                 f"[0, {self.num_modalities}) (num_modalities="
+                                 f"{self.num_modalities})")
+            return modality.to(device)
+        return self._token_modality(modality, device).expand(batch)
 
     def _check_generates(self, what: str) -> None:
         if not self.causal:

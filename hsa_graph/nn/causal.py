@@ -2,15 +2,16 @@ r"""Causal HSA modules: a decoder layer and a small language model, both on
 :class:`~hsa_graph.nn.HSAttention` with ``causal=True``.
 
 Training runs :func:`~hsa_graph.ops.causal.causal_hsa` over whole trees (or a PyG batch
-of them) at once; generation runs one token at a time through one
-:class:`~hsa_graph.ops.cache.HSACache` per layer, whose outputs equal the parallel ones.
+of them) at once; generation prefills one :class:`~hsa_graph.ops.cache.BatchedHSACache`
+per layer from a batch of prompts, then runs one token per sequence per step through
+it, with outputs equal to the parallel ones.
 A flat transformer is the same model on a flat tree (one root over the tokens), which
 makes the comparison in ``examples/causal_lm.py`` like for like.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,9 @@ from torch import Tensor
 from torch.nn import Embedding, LayerNorm, Module, ModuleList
 
 from ..geometry import sinusoidal_encoding
-from ..ops.cache import HSACache
+from ..ops.cache import BatchedHSACache, HSACache, parents_of_moves
 from ..ops.inputs import resolve_structure
+from ..signal import NestedSignal, collate
 from .attention import HSAttention, PositionInput, _positive, check_features
 from .encoder import HSATransformerEncoderLayer
 
@@ -127,13 +129,24 @@ class CausalDecoderLayer(HSATransformerEncoderLayer):
         r"""``[N, C] -> [N, C]``; row :math:`i` depends on rows :math:`\le i` only."""
         return super().forward(x, tree, pos)
 
-    def new_cache(self) -> HSACache:
+    def new_cache(self, batch_size: Optional[int] = None
+                  ) -> Union[HSACache, BatchedHSACache]:
         """An empty cache for :meth:`step` (see :meth:`HSAttention.new_cache`)."""
-        return self.attn.new_cache()
+        return self.attn.new_cache(batch_size)
 
-    def step(self, x: Tensor, cache: HSACache, **where: Any) -> Tensor:
-        """One token ``[C]`` -> ``[C]``, its row of :meth:`forward`; ``where``
-        (``attach``, ``depth``, ``modality``) as in :meth:`HSAttention.step`."""
+    def prefill(self, x: Tensor, tree, cache: BatchedHSACache) -> Tensor:
+        """:meth:`forward` on prompts ``[N, C]`` that also starts one sequence of
+        ``cache`` per tree (see :meth:`HSAttention.prefill`)."""
+        check_features(self, x)
+        x = x + F.dropout(self.attn.prefill(self.norm1(x), tree, cache), self.dropout,
+                          self.training)
+        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
+
+    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache],
+             **where: Any) -> Tensor:
+        """One token ``[C]`` -> ``[C]`` (or one per sequence, ``[B, C]`` -> ``[B, C]``
+        with a batched cache), its row of :meth:`forward`; ``where`` (``attach``,
+        ``depth``, ``modality``) as in :meth:`HSAttention.step`."""
         check_features(self, x)
         x = x + F.dropout(self.attn.step(self.norm1(x), cache, **where), self.dropout,
                           self.training)
@@ -239,53 +252,123 @@ class HierarchicalCausalLM(Module):
         same = st.leaf_tree[1:] == st.leaf_tree[:-1]
         return F.cross_entropy(logits[:-1][same], tokens[1:][same])
 
-    def new_caches(self) -> List[HSACache]:
-        """One empty cache per layer."""
-        return [layer.new_cache() for layer in self.layers]
+    def new_caches(self, batch_size: Optional[int] = None
+                   ) -> List[Union[HSACache, BatchedHSACache]]:
+        """One empty cache per layer (batched ones with ``batch_size``)."""
+        return [layer.new_cache(batch_size) for layer in self.layers]
 
-    def step(self, token: int, caches: Sequence[HSACache], **where: Any) -> Tensor:
-        """Feed one token (hung as ``where`` says: ``attach`` / ``depth``, see
-        :meth:`HSAttention.step`) and return the next-token logits ``[vocab_size]``."""
+    def _check_caches(self, caches: Sequence) -> None:
         if len(caches) != len(self.layers):
             raise ValueError(f"caches must hold one cache per layer ({len(self.layers)}), "
                              f"got {len(caches)}: use new_caches()")
-        position = torch.tensor([caches[0].num_tokens], device=self.embed.weight.device)
-        x = self._input(torch.tensor([token], device=position.device), position)[0]
+
+    def step(self, token: Union[int, Tensor, Sequence[int]], caches: Sequence,
+             **where: Any) -> Tensor:
+        """Feed one token (hung as ``where`` says: ``attach`` / ``depth``, see
+        :meth:`HSAttention.step`) and return the next-token logits ``[vocab_size]``;
+        with batched caches one token per sequence (``[B]`` ids, per-sequence
+        placements) and logits ``[B, vocab_size]``."""
+        self._check_caches(caches)
+        device = self.embed.weight.device
+        if isinstance(caches[0], BatchedHSACache):
+            ids = torch.as_tensor(token, device=device)
+            b = caches[0].batch_size
+            if ids.dtype == torch.bool or ids.is_floating_point() or ids.shape != (b,):
+                raise ValueError(f"token must hold one integer id per sequence (B = {b}), "
+                                 f"got {tuple(ids.shape)} {ids.dtype}")
+            position = torch.tensor(caches[0].num_tokens, device=device)
+            x = self._input(ids, position)
+        else:
+            position = torch.tensor([caches[0].num_tokens], device=device)
+            x = self._input(torch.tensor([token], device=device), position)[0]
         for layer, cache in zip(self.layers, caches):
             x = layer.step(x, cache, **where)
         return self._logits(x)
 
+    def prefill(self, tokens: Tensor, tree, caches: Sequence[BatchedHSACache]) -> Tensor:
+        """Start one sequence per tree of ``tree`` in every layer's batched cache from
+        the prompt ``tokens`` ``[N]`` (leaf order); returns the next-token logits of
+        each tree's last token ``[trees, vocab_size]`` (row ``i`` of :meth:`forward`
+        at those leaves)."""
+        self._check_caches(caches)
+        st = resolve_structure(tree, tokens.device)
+        if tokens.dim() != 1 or tokens.shape[0] != st.num_leaves:
+            raise ValueError(f"tokens must have shape [N] with N = {st.num_leaves} leaves, "
+                             f"got {tuple(tokens.shape)}")
+        index = torch.arange(st.num_leaves, device=tokens.device)
+        first = torch.full((st.num_trees,), st.num_leaves, device=tokens.device)
+        first = first.scatter_reduce(0, st.leaf_tree, index, "amin")
+        last = torch.full((st.num_trees,), -1, device=tokens.device)
+        last = last.scatter_reduce(0, st.leaf_tree, index, "amax")
+        x = self._input(tokens, index - first[st.leaf_tree])
+        for layer, cache in zip(self.layers, caches):
+            x = layer.prefill(x, tree, cache)
+        return self._logits(x[last])
+
+    @staticmethod
+    def _prompt_tree(prompt: Sequence[int], where, row: int):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {row} is empty")
+        if isinstance(where, NestedSignal):
+            return where
+        if len(where) != len(prompt):
+            raise ValueError(f"prompt {row} has {len(prompt)} tokens but {len(where)} "
+                             "placements: one placement per token")
+        return NestedSignal.from_parents(parents_of_moves(list(where)))
+
     @torch.no_grad()
-    def generate(self, prompt: Sequence[int], prompt_where: Sequence[Dict],
-                 steps: int, where: Callable[[List[int]], Dict],
-                 temperature: float = 1.0, generator: Optional[torch.Generator] = None
-                 ) -> List[int]:
-        """Sample ``steps`` tokens after ``prompt``.
+    def generate(self, prompt: Sequence, prompt_where: Sequence, steps: int,
+                 where: Callable[[List[int]], Dict], temperature: float = 1.0,
+                 generator: Optional[torch.Generator] = None
+                 ) -> Union[List[int], List[List[int]]]:
+        """Sample ``steps`` tokens after each prompt, all sequences at once: the prompts
+        are prefilled (one pass over their trees) into batched caches, then every step
+        feeds one token per sequence.
 
         Args:
-            prompt: token ids; ``prompt_where``: where each hangs (``attach`` /
-                ``depth`` of :meth:`HSACache.append`, e.g. from
-                :meth:`HSACache.moves_of`).
-            where: ``tokens so far -> dict`` placing the next token (e.g. a new
-                sentence after a full stop).
+            prompt: token ids of one prompt, or a list of prompts (a batch).
+            prompt_where: for one prompt, where each token hangs (``attach`` / ``depth``
+                of :meth:`HSACache.append`, e.g. from :meth:`HSACache.moves_of`) or its
+                tree; for a batch, one such list or tree per prompt.
+            steps: tokens to sample per sequence.
+            where: ``tokens so far -> dict`` placing a sequence's next token (e.g. a
+                new sentence after a full stop), called per sequence.
             temperature: ``0`` for greedy decoding.
+            generator: for sampling.
+
+        Returns:
+            the prompt followed by its samples (a list of them for a batch).
+
+        Raises:
+            ValueError: an empty prompt, placements that do not match it, or a bad
+                placement.
         """
-        if len(prompt) == 0 or len(prompt) != len(prompt_where):
-            raise ValueError("prompt must be non-empty with one placement per token")
-        caches = self.new_caches()
-        tokens = list(prompt)
-        for token, place in zip(prompt, prompt_where):
-            logits = self.step(token, caches, **place)
+        single = len(prompt) > 0 and not isinstance(prompt[0], (list, tuple, Tensor))
+        prompts = [list(prompt)] if single else [list(p) for p in prompt]
+        placements = [prompt_where] if single else list(prompt_where)
+        if not prompts or len(placements) != len(prompts):
+            raise ValueError("prompt must be non-empty with one placement list (or tree) "
+                             "per prompt")
+        trees = [self._prompt_tree(p, w, r) for r, (p, w) in enumerate(zip(prompts,
+                                                                             placements))]
+        device = self.embed.weight.device
+        ids = torch.tensor([t for p in prompts for t in p], device=device)
+        caches = self.new_caches(0)
+        logits = self.prefill(ids, trees[0] if len(trees) == 1 else collate(trees), caches)
+        out = [list(p) for p in prompts]
         for _ in range(steps):
             if temperature == 0:
-                nxt = int(logits.argmax())
+                nxt = logits.argmax(-1)
             else:
                 probs = torch.softmax(logits / temperature, -1)
-                nxt = int(torch.multinomial(probs, 1, generator=generator))
-            place = where(tokens)
-            tokens.append(nxt)
-            logits = self.step(nxt, caches, **place)
-        return tokens
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            places = [where(seq) for seq in out]   # the caller's per-sequence rule
+            for seq, token in zip(out, nxt.tolist()):
+                seq.append(token)
+            keys = {key for place in places for key in place}
+            batch_where = {key: [place.get(key) for place in places] for key in keys}
+            logits = self.step(nxt, caches, **batch_where)
+        return out[0] if single else out
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}(vocab_size={self.vocab_size}, "
