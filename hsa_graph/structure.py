@@ -90,6 +90,9 @@ class FamilyBucket:
     leaf_gather: Optional[Tensor] = None
     #: ``[F * b]`` internal row of every slot, for buckets of internal nodes only (no range)
     internal_gather: Optional[Tensor] = None
+    #: ``(start, stop)`` when the parents are the internal rows ``start .. stop - 1`` in
+    #: family order (per-family sums are then written straight into those rows)
+    parent_range: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -484,8 +487,13 @@ class TreeStructure:
         if whole is not None:  # leaves are contiguous families: a reshape and a sum
             whole = self.buckets[whole]
             # trailing dims flattened: the reduction then runs over long contiguous rows
-            sums = leaf_values.reshape(whole.num_families, whole.size, -1).sum(1)
-            return out.index_copy_(0, whole.parent, sums.view(-1, *leaf_values.shape[1:]))
+            families = leaf_values.reshape(whole.num_families, whole.size, -1)
+            rows = whole.parent_range
+            if rows is not None and out.is_contiguous() and not records_grad(leaf_values):
+                torch.sum(families, 1, out=out[rows[0]:rows[1]].view(whole.num_families, -1))
+                return out
+            sums = families.sum(1).view(-1, *leaf_values.shape[1:])
+            return out.index_copy_(0, whole.parent, sums)
         out.index_add_(0, self.leaf_parent, leaf_values)
         if self.lonely_leaf.numel():  # leaves that are roots added into the null row
             out[-1:].zero_()
@@ -546,19 +554,16 @@ class TreeStructure:
         return self.subtree_mean_of_sums(self.subtree_sum(leaf_values))
 
     def subtree_means(self, *leaf_values: Tensor) -> tuple:
-        """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (equal leading shapes,
-        e.g. ``q, k, v``) in one bottom-up pass: each leaf-level sum reads its input
-        once, then the small per-node sums travel up the levels together."""
-        widths = [t.shape[-1] for t in leaf_values]
-        first = leaf_values[0]
-        sums = first.new_zeros((self.num_internal + 1, *first.shape[1:-1], sum(widths)))
-        start = 0
-        for t, width in zip(leaf_values, widths):  # narrow, not split: split's views
-            self.to_internal(t, out=sums.narrow(-1, start, width))  # refuse in-place ops
-            start += width
+        """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (e.g. ``q, k, v``), each
+        into a contiguous ``[I + 1, H, *]`` buffer of its own, in place where autograd
+        records nothing."""
         inplace = not records_grad(*leaf_values)
-        means = self.subtree_mean_of_sums(self.bottom_up(sums, inplace=inplace), inplace=True)
-        return means.split(widths, dim=-1)
+        means = []
+        for t in leaf_values:  # contiguous per tensor: the families' gathers are views
+            sums = self.to_internal(t)
+            means.append(self.subtree_mean_of_sums(self.bottom_up(sums, inplace=inplace),
+                                                   inplace=True))
+        return tuple(means)
 
     def subtree_mean_of_sums(self, sums: Tensor, inplace: bool = False) -> Tensor:
         """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)`` (into
@@ -858,8 +863,11 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
             leaf_gather, internal_gather = (gather, None) if only_leaves else (None, gather)
         elif full:
             leaf_block = _leaf_block(leaf_src, leaf_slot, num_fam, b)
+        parent_range = None
+        if bool((fam_ids[1:] - fam_ids[:-1] == 1).all()):
+            parent_range = (int(fam_ids[0]), int(fam_ids[0]) + num_fam)
         buckets.append(FamilyBucket(
-            size=b, num_families=num_fam, parent=fam_ids,
+            size=b, num_families=num_fam, parent=fam_ids, parent_range=parent_range,
             leaf_slot=leaf_slot, leaf_src=leaf_src,
             internal_slot=internal_slot, internal_src=internal_src,
             log_size=log_size.view(num_fam, b),

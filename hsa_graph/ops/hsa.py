@@ -173,7 +173,8 @@ class HSAStatistics:
 
     Attributes:
         rq, rk: internal subtree means ``[I + 1, H, D]``; rv: ``[I + 1, H, Dv]`` when
-            values were given, else ``None``.
+            values were given, else ``None`` (all three ``None`` when computed with
+            ``means=False`` on a tree whose families hold only leaves).
         total_leaf, total_internal: :math:`\mathrm{logaddexp}(\lambda, \eta)`, the
             log-normaliser of each node's row (a leaf's includes its own diagonal).
         log_m_leaf, log_m_internal: :math:`\log m`, the mass reaching each node
@@ -186,8 +187,8 @@ class HSAStatistics:
             (``None`` without values).
     """
 
-    rq: Tensor
-    rk: Tensor
+    rq: Optional[Tensor]
+    rk: Optional[Tensor]
     rv: Optional[Tensor]
     total_leaf: Tensor
     total_internal: Tensor
@@ -217,20 +218,23 @@ def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: 
 
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                    scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
-                   leaf_mass: bool = True) -> HSAStatistics:
+                   leaf_mass: bool = True, means: bool = True) -> HSAStatistics:
     """The bottom-up and top-down passes over per-node scalars shared by
     :func:`hsa` and :func:`~hsa_graph.hsa_weights`.
 
     Every family's softmax runs once, fused with its values when ``v`` is given (then
     ``bucket_out`` and ``rv`` are filled). ``leaf_mass=False`` skips ``log_mu_leaf`` and
-    ``log_m_leaf`` (a pass over ``q * k`` that :func:`hsa` does not need).
+    ``log_m_leaf`` (a pass over ``q * k`` that :func:`hsa` does not need);
+    ``means=False`` computes the subtree means only when some family has an internal
+    member (they are the family softmax's operands there, and nowhere else in
+    :func:`hsa`): ``rq, rk, rv`` are then ``None`` on trees whose families hold leaves
+    only, e.g. one family per tree.
     """
     n = st.num_leaves
-    if v is None:
-        rq, rk = st.subtree_means(q, k)
-        rv = None
-    else:
-        rq, rk, rv = st.subtree_means(q, k, v)
+    rq = rk = rv = None
+    if means or any(b.internal_slot.numel() for b in st.buckets):
+        rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]))
+        rv = rest[0] if rest else None
     pos_leaf = pos_internal = None
     if pos is not None:
         pos_u = st.to_unified(pos.to(q.dtype))
@@ -246,7 +250,9 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         h = q.shape[1]
         pl, pi = pos_leaf.expand(-1, h, -1), pos_internal.expand(-1, h, -1)
         fq_leaf, fk_leaf = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1)
-        fq_internal, fk_internal = torch.cat([rq * scale, pi], -1), torch.cat([rk, pi], -1)
+        if rq is not None:
+            fq_internal = torch.cat([rq * scale, pi], -1)
+            fk_internal = torch.cat([rk, pi], -1)
         fscale = 1.0
     # Without values the keys stand in (same width, so the fused kernel applies).
     fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
@@ -361,7 +367,8 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
 
 def _hsa(x: AttentionInputs) -> Tensor:
     st, v, include_self = x.structure, x.v, x.include_self
-    stats = hsa_statistics(st, x.q, x.k, include_self, x.scale, x.pos, v=v, leaf_mass=False)
+    stats = hsa_statistics(st, x.q, x.k, include_self, x.scale, x.pos, v=v, leaf_mass=False,
+                           means=False)
 
     # A member A of a family sends w(A) = m(pa(A)) (1 - mu(A)) of its mass through the
     # family softmax. A leaf's softmax row already holds its own diagonal, so a leaf
@@ -392,7 +399,7 @@ def _hsa(x: AttentionInputs) -> Tensor:
         above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
         out, w = out.transpose(1, 2), w.transpose(1, 2).unsqueeze(-1)
         if inplace:  # the family output is this call's own buffer: written once more
-            y = out.mul_(w).add_(above)
+            y = torch.addcmul(above, out, w, out=out)
         else:
             y = torch.addcmul(above, out, w)
         rows.append(y.reshape(-1, *y.shape[2:]))
