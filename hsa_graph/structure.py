@@ -445,6 +445,19 @@ class TreeStructure:
                            node_pos=node_pos, parent_bucket=parent_bucket,
                            parent_family=parent_family, only_child=only_child)
 
+    @property
+    def flat_families(self) -> Optional[Tuple[int, int]]:
+        """``(F, b)`` when the forest is ``F`` flat trees of ``b >= 2`` leaves each (a root
+        over its leaves, trees in leaf order): HSA is then softmax attention inside
+        ``[F, b]`` blocks of the leaf rows; else ``None``."""
+        whole = self.whole_leaf_bucket
+        if whole is None or self.num_internal != self.num_trees or self.lonely_leaf.numel():
+            return None
+        bucket = self.buckets[whole]
+        if bucket.leaf_slot.numel() != bucket.num_families * bucket.size:
+            return None
+        return bucket.num_families, bucket.size
+
     @_lazy_field
     def bucket_depths(self) -> List[Tuple[int, ...]]:
         """For each depth ``0 .. max_depth + 1``, the buckets with a member at that depth

@@ -64,6 +64,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import CausalTiles, TreeStructure
 from .hsa import _log_ratio, _logaddexp, hsa_statistics
@@ -118,7 +119,9 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     See the module docstring for the definition, its KL-optimality property and the
     algorithm. Leaves must be in document order (increasing node index) and every
     node's leaves a contiguous range of them (true for the text, window and document
-    builders).
+    builders). On flat trees (a root over its leaves, equal sizes; ``include_self`` and no
+    ``pos``) this is causal softmax attention per tree, computed by
+    ``scaled_dot_product_attention(is_causal=True)``.
 
     Args:
         q, k: ``[N, H, D]`` (or ``[N, D]``); v: ``[N, H, Dv]`` (or ``[N, Dv]``).
@@ -152,6 +155,19 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     plan = x.structure.causal_plan      # checks contiguity; built once per structure
     if x.empty:
         return x.empty_result(x.v.shape)
+    flat = x.structure.flat_families
+    if flat is not None and x.include_self and x.pos is None:
+        # Flat trees: causal HSA is causal softmax attention inside each tree, which
+        # PyTorch's fused kernel computes without the tiles.
+        f, b = flat
+
+        def blocks(t: Tensor) -> Tensor:              # [N, H, D] -> [F, H, b, D] view
+            return t.view(f, b, *t.shape[1:]).transpose(1, 2)
+
+        with no_autocast(x.device):
+            y = scaled_dot_product_attention(blocks(x.q), blocks(x.k), blocks(x.v),
+                                               is_causal=True, scale=x.scale)
+        return x.finish(y.transpose(1, 2).reshape(x.v.shape))
     q, k, v = _FirstOrderOnly.apply(x.q, x.k, x.v)
     pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
     with no_autocast(x.device):
