@@ -180,7 +180,7 @@ def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale
     """``lam(i) = s <q_i, k_i> + |eps(i)|^2`` (``-inf`` without self), ``[N, H]``."""
     if not include_self:
         return q.new_full(q.shape[:2], NEG_INF)
-    own = (q * k).sum(-1) * scale
+    own = torch.einsum("nhd,nhd->nh", q, k) * scale  # no [N, H, D] product
     if pos is not None:
         p = pos.to(q.dtype)[st.node_of_unified[:st.num_leaves]]
         own = own + p.pow(2).sum(-1).view(own.shape[0], -1)
@@ -310,11 +310,12 @@ def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, pos_dots: Optional[Ten
     r"""``[H, F, b, b]`` :math:`z(C, B) + \log n(B)` among each family's members
     (:math:`z = s\langle r_q(C), r_k(B)\rangle + \langle\varepsilon(C),
     \varepsilon(B)\rangle`), ``-inf`` on the diagonal and on padding keys."""
-    z = _matmul(mq, mk.transpose(-1, -2)) * scale + log_n[:, None, :]
+    # in place on the product, which no backward reads
+    z = _matmul(mq, mk.transpose(-1, -2)).mul_(scale).add_(log_n[:, None, :])
     if pos_dots is not None:
-        z = z + pos_dots
+        z = z.add_(pos_dots)
     b = z.shape[-1]
-    return z.masked_fill(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
+    return z.masked_fill_(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
 
 
 class _TileView:
@@ -393,13 +394,14 @@ def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
         per_count = (scale / count).unsqueeze(-1)                           # [R, T, 1]
         # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of
         # <q_j, r_k(B)>: running sums of [T, b] logits, not of [T, D] vectors
+        # in place on the running sums, which no backward reads
         row = (_spine_sums(g, _matmul(slots(leaf_q), per_tile(mk).transpose(-1, -2)))
-               * per_count + per_tile(log_n[None])[0][:, None, :])
+               .mul_(per_count).add_(per_tile(log_n[None])[0][:, None, :]))
         col = (_spine_sums(g, _matmul(slots(leaf_k), per_tile(mq).transpose(-1, -2)))
-               * per_count + count.log()[..., None])
+               .mul_(per_count).add_(count.log()[..., None]))
         if pos_dots is not None:
             dots = per_slot(pos_dots)
-            row, col = row + dots, col + dots
+            row, col = row.add_(dots), col.add_(dots)
     eta_s, weights = _masked_softmax(row, valid)
     theta_bar = _matmul(weights, per_tile(mv))                             # [H, R, T, Dv]
     # entries outside ``valid`` (the diagonal, right siblings, padding) may be -inf
@@ -431,7 +433,8 @@ def _spine_sums(g: CausalTiles, x: Tensor) -> Tensor:
     h, r, t, b = run.shape
     flat = run.reshape(h, r * t, b)
     has_before = g.slot_has_before.to(x.dtype).view(1, -1, 1)
-    return torch.addcmul(flat, flat.index_select(1, g.slot_before), has_before,
+    # in place: nothing saves the prefix sums (cumsum's backward needs no values)
+    return flat.addcmul_(flat.index_select(1, g.slot_before), has_before,
                          value=-1.0).view(h, r, t, b)
 
 
@@ -491,15 +494,17 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     log_m = None
     for log_mu, theta_bar in reversed(per_level):
         share = -torch.expm1(log_mu) if log_m is None else log_m.exp() * -torch.expm1(log_mu)
+        # in place after the first level: y is this loop's own tensor and addcmul
+        # saves only its factors, so autograd allows it, and no level allocates anew
         y = (share.unsqueeze(-1) * theta_bar if y is None
-             else torch.addcmul(y, share.unsqueeze(-1), theta_bar))
+             else y.addcmul_(share.unsqueeze(-1), theta_bar))
         log_m = log_mu if log_m is None else log_m + log_mu
     v_hm = leaf_v
     if include_self:
         if log_m is None:
             y = v_hm if y is None else y + v_hm
         else:
-            y = torch.addcmul(y, log_m.exp().unsqueeze(-1), v_hm)
+            y = y.addcmul_(log_m.exp().unsqueeze(-1), v_hm)
     elif y is None:
         y = torch.zeros_like(v_hm)
     return y.transpose(0, 1).contiguous()

@@ -161,7 +161,7 @@ def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
 
 def _self_logit(q: Tensor, k: Tensor, scale: float, pos: Optional[Tensor]) -> Tensor:
     """``z(i, i) = s <q_i, k_i> + <pos_i, pos_i>``: ``[n, H]``."""
-    own = (q * k).sum(-1) * scale
+    own = torch.einsum("nhd,nhd->nh", q, k) * scale  # no [N, H, D] product
     return own if pos is None else own + pos.pow(2).sum(-1)
 
 
