@@ -1,0 +1,141 @@
+"""Small trees: ``hsa`` on batches of small balanced trees against flat attention per tree.
+
+The workloads of the performance issue: batches of balanced trees (branching 16) of
+16, 64, 256, 1,024 and 4,096 leaves, always 4,096 leaves per batch (256 trees of 16
+leaves ... one tree of 4,096), 4 heads, D = Dv = 64, float32, at 1 and 2 threads. For
+each size, in one process and interleaved:
+
+* **hsa**: :func:`hsa_graph.hsa` on the PyG ``Batch`` of the trees;
+* **flat**: ``scaled_dot_product_attention`` over each tree's leaves (``[B, H, n, D]``),
+  the attention a flat model of the same trees computes;
+* **floor**: ``scaled_dot_product_attention`` inside the leaf families of 16 alone
+  (HSA's largest single cost; no tree work at all).
+
+Forward (under ``torch.no_grad``) and forward + backward (``y.square().sum()``), the
+median of ``--repeats`` calls after a warm-up. Goals: hsa no slower than flat at 64
+leaves and above, within 3x of the floor, and within 1.5x of flat at 16 leaves (one
+family per tree, where HSA is flat attention plus bookkeeping).
+
+Run: ``python benchmarks/bench_small_trees.py`` (writes
+``benchmarks/results/bench_small_trees.{md,json}``; ``--quick``: fewer repeats).
+Measure on a quiet machine, in the default environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch_geometric.data import Batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hsa import balanced_parents  # noqa: E402
+
+import hsa_graph  # noqa: E402
+
+SIZES = [16, 64, 256, 1024, 4096]
+TOTAL, H, D = 4096, 4, 64
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_ms(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median wall time of each function, the calls interleaved (so load changes hit
+    all of them alike)."""
+    for fn in fns.values():
+        fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def workloads(n: int, backward: bool) -> Dict[str, Callable[[], object]]:
+    trees = TOTAL // n
+    tree = Batch.from_data_list(
+        [hsa_graph.NestedSignal.from_parents(balanced_parents(n)) for _ in range(trees)])
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(TOTAL, H, D, generator=gen, requires_grad=backward)
+               for _ in range(3))
+
+    def blocks(t, size):
+        return t.view(TOTAL // size, size, H, D).transpose(1, 2)
+
+    ops = {"hsa": lambda: hsa_graph.hsa(q, k, v, tree),
+           "flat": lambda: F.scaled_dot_product_attention(
+               blocks(q, n), blocks(k, n), blocks(v, n)),
+           "floor": lambda: F.scaled_dot_product_attention(
+               blocks(q, 16), blocks(k, 16), blocks(v, 16))}
+
+    def run(op):
+        if not backward:
+            def forward():
+                with torch.no_grad():
+                    return op()
+            return forward
+
+        def forward_backward():
+            op().square().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return forward_backward
+
+    return {name: run(op) for name, op in ops.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="5 repeats, sizes 16 and 64")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    sizes = [16, 64] if args.quick else SIZES
+    repeats = 5 if args.quick else args.repeats
+    load_start = os.getloadavg()[0]
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for n in sizes:
+            for backward in (False, True):
+                ms = median_ms(workloads(n, backward), repeats)
+                rows.append({"threads": threads, "leaves": n, "trees": TOTAL // n,
+                             "pass": "fwd+bwd" if backward else "fwd", **ms})
+                print(f"  {threads}t n={n} {rows[-1]['pass']}: hsa {ms['hsa']:.2f} ms, "
+                      f"flat {ms['flat']:.2f}, floor {ms['floor']:.2f}", file=sys.stderr)
+    meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_start": load_start, "load_end": os.getloadavg()[0],
+            "env": {k: v for k, v in os.environ.items()
+                    if k.startswith(("MALLOC_", "OMP_", "MKL_"))}}
+    lines = [f"Command: `python benchmarks/{meta['command']}`; load average "
+             f"{meta['load_start']:.2f} -> {meta['load_end']:.2f}; torch {meta['torch']}; "
+             f"environment variables: {meta['env'] or 'none'}", "",
+             "| threads | leaves per tree x trees | pass | hsa ms | flat ms | floor ms "
+             "| hsa / flat | hsa / floor |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['leaves']} x {r['trees']} | {r['pass']} | "
+                     f"{r['hsa']:.2f} | {r['flat']:.2f} | {r['floor']:.2f} | "
+                     f"{r['hsa'] / r['flat']:.2f} | {r['hsa'] / r['floor']:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if not args.quick:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_small_trees.md").write_text(
+            "# hsa on small trees vs flat attention per tree\n\n" + table + "\n")
+        (args.out / "bench_small_trees.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
