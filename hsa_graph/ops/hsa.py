@@ -216,6 +216,41 @@ def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: 
                                 for b, t in zip(st.buckets, per_bucket)], fill, like)
 
 
+def _positions_by_row(st: TreeStructure, pos: Optional[Tensor], dtype: torch.dtype
+                      ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Node positions ``[M, (H,) P]`` -> leaf rows ``[N, H or 1, P]`` and internal rows
+    ``[I + 1, H or 1, P]`` (null row zero), or ``(None, None)``."""
+    if pos is None:
+        return None, None
+    pos_u = st.to_unified(pos.to(dtype))
+    if pos_u.dim() == 2:
+        pos_u = pos_u.unsqueeze(1)
+    n = st.num_leaves
+    return pos_u[:n], torch.cat([pos_u[n:], pos_u.new_zeros((1, *pos_u.shape[1:]))])
+
+
+def _family_operands(q: Tensor, k: Tensor, v: Optional[Tensor], means: Tuple,
+                     pos_leaf: Optional[Tensor], pos_internal: Optional[Tensor],
+                     scale: float) -> Tuple[Tuple, Tuple, float]:
+    r"""Queries, keys and values of the family softmax for leaf rows and internal rows,
+    and its scale. Positions join as extra features, so that
+    :math:`\langle q s \oplus p, k \oplus p\rangle = s\langle q, k\rangle +
+    \langle p, p\rangle` is one dot product (scale 1); without values the keys stand
+    in (same width, so the fused kernel applies)."""
+    rq, rk, rv = means
+    fq_leaf, fk_leaf, fq_internal, fk_internal = q, k, rq, rk
+    if pos_leaf is not None:
+        h = q.shape[1]
+        pl, pi = pos_leaf.expand(-1, h, -1), pos_internal.expand(-1, h, -1)
+        fq_leaf, fk_leaf = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1)
+        if rq is not None:
+            fq_internal = torch.cat([rq * scale, pi], -1)
+            fk_internal = torch.cat([rk, pi], -1)
+        scale = 1.0
+    fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
+    return (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), scale
+
+
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                    scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
                    leaf_mass: bool = True, means: bool = True) -> HSAStatistics:
@@ -235,27 +270,9 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     if means or any(b.internal_slot.numel() for b in st.buckets):
         rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]))
         rv = rest[0] if rest else None
-    pos_leaf = pos_internal = None
-    if pos is not None:
-        pos_u = st.to_unified(pos.to(q.dtype))
-        if pos_u.dim() == 2:
-            pos_u = pos_u.unsqueeze(1)
-        pos_leaf = pos_u[:n]
-        pos_internal = torch.cat([pos_u[n:], pos_u.new_zeros((1, *pos_u.shape[1:]))])
-
-    # Operands of the family softmax. Positions join as extra features, so that
-    # <q s (+) p, k (+) p> = s <q, k> + <p, p> is one dot product.
-    fq_leaf, fk_leaf, fq_internal, fk_internal, fscale = q, k, rq, rk, scale
-    if pos_leaf is not None:
-        h = q.shape[1]
-        pl, pi = pos_leaf.expand(-1, h, -1), pos_internal.expand(-1, h, -1)
-        fq_leaf, fk_leaf = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1)
-        if rq is not None:
-            fq_internal = torch.cat([rq * scale, pi], -1)
-            fk_internal = torch.cat([rk, pi], -1)
-        fscale = 1.0
-    # Without values the keys stand in (same width, so the fused kernel applies).
-    fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
+    pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
+    (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), fscale = (
+        _family_operands(q, k, v, (rq, rk, rv), pos_leaf, pos_internal, scale))
 
     bucket_out: List[Optional[Tensor]] = []
     bucket_lse: List[Tensor] = []
