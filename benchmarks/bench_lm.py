@@ -199,13 +199,16 @@ def plot(generation: List[Dict], path: Path, title: str) -> bool:
         rows = [r for r in generation if r["model"] == name and "tokens_per_s" in r]
         xs = [r["tokens"] for r in rows]
         speed.plot(xs, [r["tokens_per_s"] for r in rows], marker=marker, label=name)
-        memory.plot(xs, [r["cache_bytes"] for r in rows], marker=marker, label=name)
+        # the flat cache's keys and values held, without the buffers' spare capacity
+        key = "flat_kv_bytes" if name == "flat" else "cache_bytes"
+        memory.plot(xs, [r[key] for r in rows], marker=marker, label=name)
     for ax, label in ((speed, "generated tokens / s"), (memory, "cache bytes (all layers)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    speed.set_yscale("log")
     memory.set_yscale("log")
     fig.suptitle(title)
     fig.tight_layout()
