@@ -335,3 +335,12 @@ def test_flat_lm_greedy_generation_equals_parallel_argmax(review_tree):
     # the batch equals each prompt generated alone
     assert [lm.generate(p, w, 10, lambda s: {}, temperature=0)
             for p, w in zip(prompts, flat_where)] == out
+
+
+def test_flat_prefill_refuses_trees_whose_leaves_interleave():
+    attn = hsa_graph.nn.HSAttention(8, heads=2, causal=True, attention="flat")
+    interleaved = hsa_graph.NestedSignal.from_parents([-1, -1, 0, 1, 0])   # leaves 0, 1, 0
+    cache = attn.new_cache(0)
+    with pytest.raises(ValueError, match="leaf row 2 goes back to tree 0"):
+        attn.prefill(torch.randn(3, 8), interleaved, cache)
+    assert cache.batch_size == 0                             # nothing was added
