@@ -13,6 +13,7 @@ from ..ops.cache import BatchedHSACache, HSACache
 from ..ops.causal import causal_hsa
 from ..ops.hsa import hsa
 from ..ops.inputs import compute_dtype, no_autocast
+from ..ops.kv_cache import KVCache
 from ..signal import flatten
 from .linear import ModalityLinear
 
@@ -379,11 +380,14 @@ class HSAttention(Module):
         return target
 
     def new_cache(self, batch_size: Optional[int] = None
-                  ) -> Union[HSACache, BatchedHSACache]:
+                  ) -> Union[HSACache, BatchedHSACache, KVCache]:
         """An empty cache for :meth:`step`, with this layer's ``include_self`` and
         ``scale``: an :class:`~hsa_graph.HSACache` (one sequence, tokens ``[F]``), or
         with ``batch_size`` a :class:`~hsa_graph.ops.cache.BatchedHSACache` of that
-        many empty sequences (tokens ``[B, F]``; :meth:`prefill` adds prompts).
+        many empty sequences (tokens ``[B, F]``; :meth:`prefill` adds prompts). A
+        ``"flat"`` layer gets a flat :class:`~hsa_graph.ops.kv_cache.KVCache` there
+        instead (its keys and values: causal softmax attention, what the layer computes
+        on the flattened tree).
 
         Raises:
             ValueError: the layer is not causal, or a bad ``batch_size``.
@@ -391,6 +395,8 @@ class HSAttention(Module):
         self._check_generates("new_cache")
         if batch_size is None:
             return HSACache(include_self=self.include_self, scale=self.scale)
+        if self.attention == "flat":
+            return KVCache(batch_size, include_self=self.include_self, scale=self.scale)
         return BatchedHSACache(batch_size, include_self=self.include_self, scale=self.scale)
 
     def _check_cache(self, cache, kinds: tuple) -> None:
@@ -398,6 +404,10 @@ class HSAttention(Module):
             names = " or ".join(kind.__name__ for kind in kinds)
             raise TypeError(f"cache must be an {names} (from new_cache()), got "
                             f"{type(cache).__name__}")
+        if isinstance(cache, KVCache) and self.attention != "flat":
+            # a flat cache would silently turn this layer's attention into softmax
+            raise TypeError(f"a KVCache holds flat attention, but this layer has attention="
+                            f"{self.attention!r}: make its cache with new_cache()")
         if cache.include_self != self.include_self or cache.scale != (
                 None if self.scale is None else float(self.scale)):
             raise ValueError(
@@ -405,7 +415,7 @@ class HSAttention(Module):
                 f"scale={cache.scale} but this layer has include_self={self.include_self}, "
                 f"scale={self.scale}: make it with this layer's new_cache()")
 
-    def prefill(self, x: Tensor, tree, cache: BatchedHSACache,
+    def prefill(self, x: Tensor, tree, cache: Union[BatchedHSACache, KVCache],
                 modality: Optional[Tensor] = None) -> Tensor:
         r"""Start one sequence of ``cache`` per tree of ``tree`` from its prompt and return
         the prompt's outputs ``[N, out_channels]``: :meth:`forward` on it, while the
@@ -414,7 +424,9 @@ class HSAttention(Module):
 
         Args:
             x: ``[N, F]`` leaf rows of ``tree`` (one tree or a batch: one sequence each).
-            tree: the prompts' trees; cache: a batched cache from :meth:`new_cache`.
+            tree: the prompts' trees; cache: a batched cache from :meth:`new_cache` (a
+                :class:`~hsa_graph.ops.kv_cache.KVCache` of a ``"flat"`` layer takes
+                each tree's tokens in leaf order).
             modality: leaf modality tags ``[N]`` (else read from ``tree`` as in
                 :meth:`forward`).
 
@@ -423,7 +435,7 @@ class HSAttention(Module):
         """
         self._check_generates("prefill")
         self._refuse_positions("prefill")
-        self._check_cache(cache, (BatchedHSACache,))
+        self._check_cache(cache, (BatchedHSACache, KVCache))
         structure = _structure(tree, x, self)
         n = structure.num_leaves
         if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
@@ -436,7 +448,11 @@ class HSAttention(Module):
         target = tree if self.attention == "none" else self.attention_tree(tree)
         dtype = compute_dtype(torch.promote_types(q.dtype, v.dtype))
         with no_autocast(x.device):
-            y = cache.prefill(q.to(dtype), k.to(dtype), v.to(dtype), target)
+            if isinstance(cache, KVCache):
+                y = cache.prefill_rows(q.to(dtype), k.to(dtype), v.to(dtype),
+                                       _tree_lengths(structure))
+            else:
+                y = cache.prefill(q.to(dtype), k.to(dtype), v.to(dtype), target)
         y = v if self.attention == "none" else y.to(v.dtype)
         return self._finish(y, q)
 
@@ -448,7 +464,7 @@ class HSAttention(Module):
                 "parent's geometry, which needs the whole tree; use pos_dim=None to "
                 "generate token by token")
 
-    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache], *,
+    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache, KVCache], *,
              modality: Optional[Union[int, Tensor]] = None, **where: Any) -> Tensor:
         r"""The output for one new token (per sequence), equal (to rounding) to its row of
         the parallel causal :meth:`forward` on the tree the calls so far have built.
@@ -463,7 +479,8 @@ class HSAttention(Module):
 
         Args:
             x: the token's features ``[F]``; ``[B, F]`` (one token per sequence) with a
-                :class:`~hsa_graph.ops.cache.BatchedHSACache`.
+                :class:`~hsa_graph.ops.cache.BatchedHSACache` or
+                :class:`~hsa_graph.ops.kv_cache.KVCache`.
             cache: from :meth:`new_cache`.
             modality: the token's modality tag (needed when ``num_modalities > 1``,
                 ignored otherwise, as ``tree.modality`` is in :meth:`forward`); for a
@@ -488,7 +505,7 @@ class HSAttention(Module):
         self._check_generates("step")
         self._refuse_positions("step")
         check_features(self, x)
-        if isinstance(cache, BatchedHSACache):
+        if isinstance(cache, (BatchedHSACache, KVCache)):
             return self._step_batch(x, cache, modality, where)
         if x.dim() != 1 or x.shape[0] != self.in_channels:
             raise ValueError(f"x must be one token of shape [{self.in_channels}], got "
@@ -512,9 +529,10 @@ class HSAttention(Module):
             raise TypeError(f"step got unexpected keyword(s) {unknown}; a placement is "
                             "attach= and/or depth=")
 
-    def _step_batch(self, x: Tensor, cache: BatchedHSACache, modality, where) -> Tensor:
+    def _step_batch(self, x: Tensor, cache: Union[BatchedHSACache, KVCache], modality,
+                    where) -> Tensor:
         """:meth:`step` for a batch of sequences: ``[B, F]`` -> ``[B, out_channels]``."""
-        self._check_cache(cache, (BatchedHSACache,))
+        self._check_cache(cache, (BatchedHSACache, KVCache))
         self._check_where(where)
         if x.dim() != 2 or x.shape[1] != self.in_channels or x.shape[0] != cache.batch_size:
             raise ValueError(f"x must have shape [B, {self.in_channels}] with B = "
@@ -651,6 +669,25 @@ def check_features(module: Module, x: Tensor) -> None:
         raise TypeError(
             f"x is {x.dtype} but the parameters of {module.__class__.__name__} are "
             f"{param.dtype}: cast one to the other (e.g. module.to({x.dtype}))")
+
+
+def _tree_lengths(structure) -> Tensor:
+    """Leaves per tree ``[T]`` (CPU) of a forest whose trees hold consecutive leaf rows
+    (what a flat cache needs to take each tree as one sequence).
+
+    Raises:
+        ValueError: the leaves of a tree are not consecutive rows, or a tree has none.
+    """
+    leaf_tree = structure.leaf_tree
+    if leaf_tree.numel() > 1 and bool((leaf_tree[1:] < leaf_tree[:-1]).any()):
+        row = int((leaf_tree[1:] < leaf_tree[:-1]).nonzero()[0, 0]) + 1
+        raise ValueError(f"prefill needs the leaves of each tree in consecutive rows, but "
+                         f"leaf row {row} goes back to tree {int(leaf_tree[row])}")
+    lengths = torch.bincount(leaf_tree, minlength=structure.num_trees).cpu()
+    if bool((lengths == 0).any()):
+        raise ValueError(f"tree {int((lengths == 0).nonzero()[0, 0])} of the prompts has "
+                         "no leaf (an empty prompt)")
+    return lengths
 
 
 def _structure(tree, x: Tensor, module: Optional[Module] = None):

@@ -4,7 +4,8 @@ r"""Causal HSA modules: a decoder layer and a small language model, both on
 Training runs :func:`~hsa_graph.ops.causal.causal_hsa` over whole trees (or a PyG batch
 of them) at once; generation prefills one :class:`~hsa_graph.ops.cache.BatchedHSACache`
 per layer from a batch of prompts, then runs one token per sequence per step through
-it, with outputs equal to the parallel ones.
+it, with outputs equal to the parallel ones (a model with ``attention="flat"``
+generates the same way with a flat :class:`~hsa_graph.ops.kv_cache.KVCache`).
 A flat transformer is the same model on a flat tree (one root over the tokens), which
 makes the comparison in ``examples/causal_lm.py`` like for like.
 """
@@ -21,6 +22,7 @@ from torch.nn import Embedding, LayerNorm, Module, ModuleList
 from ..geometry import sinusoidal_encoding
 from ..ops.cache import BatchedHSACache, HSACache, parents_of_moves
 from ..ops.inputs import resolve_structure
+from ..ops.kv_cache import KVCache
 from ..signal import NestedSignal, collate
 from .attention import HSAttention, PositionInput, _positive, check_features
 from .encoder import HSATransformerEncoderLayer
@@ -130,11 +132,11 @@ class CausalDecoderLayer(HSATransformerEncoderLayer):
         return super().forward(x, tree, pos)
 
     def new_cache(self, batch_size: Optional[int] = None
-                  ) -> Union[HSACache, BatchedHSACache]:
+                  ) -> Union[HSACache, BatchedHSACache, KVCache]:
         """An empty cache for :meth:`step` (see :meth:`HSAttention.new_cache`)."""
         return self.attn.new_cache(batch_size)
 
-    def prefill(self, x: Tensor, tree, cache: BatchedHSACache) -> Tensor:
+    def prefill(self, x: Tensor, tree, cache: Union[BatchedHSACache, KVCache]) -> Tensor:
         """:meth:`forward` on prompts ``[N, C]`` that also starts one sequence of
         ``cache`` per tree (see :meth:`HSAttention.prefill`)."""
         check_features(self, x)
@@ -142,7 +144,7 @@ class CausalDecoderLayer(HSATransformerEncoderLayer):
                           self.training)
         return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
-    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache],
+    def step(self, x: Tensor, cache: Union[HSACache, BatchedHSACache, KVCache],
              **where: Any) -> Tensor:
         """One token ``[C]`` -> ``[C]`` (or one per sequence, ``[B, C]`` -> ``[B, C]``
         with a batched cache), its row of :meth:`forward`; ``where`` (``attach``,
@@ -253,8 +255,9 @@ class HierarchicalCausalLM(Module):
         return F.cross_entropy(logits[:-1][same], tokens[1:][same])
 
     def new_caches(self, batch_size: Optional[int] = None
-                   ) -> List[Union[HSACache, BatchedHSACache]]:
-        """One empty cache per layer (batched ones with ``batch_size``)."""
+                   ) -> List[Union[HSACache, BatchedHSACache, KVCache]]:
+        """One empty cache per layer (batched ones with ``batch_size``: flat
+        :class:`~hsa_graph.ops.kv_cache.KVCache` for ``attention="flat"``)."""
         return [layer.new_cache(batch_size) for layer in self.layers]
 
     def _check_caches(self, caches: Sequence) -> None:
@@ -270,7 +273,7 @@ class HierarchicalCausalLM(Module):
         placements) and logits ``[B, vocab_size]``."""
         self._check_caches(caches)
         device = self.embed.weight.device
-        if isinstance(caches[0], BatchedHSACache):
+        if isinstance(caches[0], (BatchedHSACache, KVCache)):
             ids = torch.as_tensor(token, device=device)
             b = caches[0].batch_size
             if ids.dtype == torch.bool or ids.is_floating_point() or ids.shape != (b,):
@@ -285,7 +288,8 @@ class HierarchicalCausalLM(Module):
             x = layer.step(x, cache, **where)
         return self._logits(x)
 
-    def prefill(self, tokens: Tensor, tree, caches: Sequence[BatchedHSACache]) -> Tensor:
+    def prefill(self, tokens: Tensor, tree,
+                caches: Sequence[Union[BatchedHSACache, KVCache]]) -> Tensor:
         """Start one sequence per tree of ``tree`` in every layer's batched cache from
         the prompt ``tokens`` ``[N]`` (leaf order); returns the next-token logits of
         each tree's last token ``[trees, vocab_size]`` (row ``i`` of :meth:`forward`

@@ -271,3 +271,76 @@ def test_batched_generation_bad_input(review_tree):
     with pytest.raises(TypeError, match="BatchedHSACache"):
         attn.prefill(torch.randn(3, 8), hsa_graph.NestedSignal.from_parents([-1, 0, 0, 0]),
                      attn.new_cache())
+
+
+# ------------------------------------------------------------------ flat KV cache
+from hsa_graph.ops.kv_cache import KVCache  # noqa: E402
+
+
+def test_flat_layer_batched_cache_is_a_kv_cache():
+    flat = hsa_graph.nn.HSAttention(8, heads=2, causal=True, attention="flat")
+    assert isinstance(flat.new_cache(2), KVCache) and flat.new_cache(2).batch_size == 2
+    assert isinstance(flat.new_cache(), HSACache)           # one sequence: as before
+    hier = hsa_graph.nn.HSAttention(8, heads=2, causal=True)
+    assert isinstance(hier.new_cache(2), BatchedHSACache)
+    with pytest.raises(TypeError, match="KVCache holds flat attention"):
+        hier.step(torch.randn(2, 8), flat.new_cache(2))
+    with pytest.raises(TypeError, match="KVCache holds flat attention"):
+        hier.prefill(torch.randn(3, 8), hsa_graph.NestedSignal.from_parents([-1, 0, 0, 0]),
+                     flat.new_cache(0))
+
+
+def test_flat_lm_prefill_and_steps_equal_parallel_forward(review_tree):
+    tree, vocab = review_tree
+    torch.manual_seed(5)
+    lm = HierarchicalCausalLM(vocab, channels=16, num_layers=2, heads=2,
+                              attention="flat").double().eval()
+    tokens, moves = tree.x, HSACache.moves_of(tree)
+    starts, more = [40, 23, 61], 12
+    caches = lm.new_caches(0)
+    prompts = hsa_graph.collate([prefix_tree(moves, n) for n in starts])
+    rows = [lm.prefill(torch.cat([tokens[:n] for n in starts]), prompts, caches)]
+    assert all(isinstance(c, KVCache) for c in caches) and caches[1].num_tokens == starts
+    for t in range(more):                      # placements are ignored by flat layers
+        at = [n + t for n in starts]
+        rows.append(lm.step(tokens[at], caches, attach=[moves[i].get("attach") for i in at]))
+    got = torch.stack(rows)
+    for b, n in enumerate(starts):
+        full = lm(tokens[:n + more], prefix_tree(moves, n + more))
+        torch.testing.assert_close(got[:, b], full[n - 1:], atol=1e-10, rtol=0)
+    # dropping a finished sequence leaves the others' next steps unchanged
+    for cache in caches:
+        cache.drop(1)
+    nxt = lm.step(tokens[[starts[0] + more, starts[2] + more]], caches)
+    for row, n in enumerate([starts[0], starts[2]]):
+        full = lm(tokens[:n + more + 1], prefix_tree(moves, n + more + 1))
+        torch.testing.assert_close(nxt[row], full[-1], atol=1e-10, rtol=0)
+
+
+def test_flat_lm_greedy_generation_equals_parallel_argmax(review_tree):
+    tree, vocab = review_tree
+    torch.manual_seed(6)
+    lm = HierarchicalCausalLM(vocab, channels=16, num_layers=2, heads=2,
+                              attention="flat").double()
+    tokens = tree.x.tolist()
+    prompts = [tokens[:15], tokens[:31]]
+    flat_where = [[{}] * len(p) for p in prompts]
+    out = lm.generate(prompts, flat_where, 10, lambda seq: {}, temperature=0)
+    for seq, prompt in zip(out, prompts):
+        assert seq[:len(prompt)] == prompt and len(seq) == len(prompt) + 10
+        ids = torch.tensor(seq)
+        flat = hsa_graph.NestedSignal.from_parents([-1] + [0] * len(seq))
+        greedy = lm(ids, flat).argmax(-1)       # the parallel forward's argmax tokens
+        assert greedy[len(prompt) - 1:-1].tolist() == seq[len(prompt):]
+    # the batch equals each prompt generated alone
+    assert [lm.generate(p, w, 10, lambda s: {}, temperature=0)
+            for p, w in zip(prompts, flat_where)] == out
+
+
+def test_flat_prefill_refuses_trees_whose_leaves_interleave():
+    attn = hsa_graph.nn.HSAttention(8, heads=2, causal=True, attention="flat")
+    interleaved = hsa_graph.NestedSignal.from_parents([-1, -1, 0, 1, 0])   # leaves 0, 1, 0
+    cache = attn.new_cache(0)
+    with pytest.raises(ValueError, match="leaf row 2 goes back to tree 0"):
+        attn.prefill(torch.randn(3, 8), interleaved, cache)
+    assert cache.batch_size == 0                             # nothing was added
