@@ -82,7 +82,7 @@ def _comparison_checks(row: str, source: str, table: List[Dict[str, str]]) -> Li
             continue
         seen = set()
         for model, mean, ci in re.findall(
-                r"\b(HSA|FSA|DeepSet)(?: over all leaves)? " + NUMBER + r" \+- " + NUMBER, part):
+                r"\b(HSA-induced|HSA|FSA|DeepSet)(?: over all leaves)? " + NUMBER + r" \+- " + NUMBER, part):
             if model in seen:  # the first figure per model is the accuracy
                 continue
             seen.add(model)
@@ -150,7 +150,8 @@ def _zero_shot_checks(rows: List[str], source: str, text: str) -> List[Check]:
     match = re.search(r"original " + NUMBER + r" s, HSA in layers [\d, ]+ " + NUMBER
                       + r" s, HSA everywhere " + NUMBER + " s", joined)
     if match:
-        timing = {r["model"]: float(r["seconds"]) for r in tables[-1]}
+        timing_table = next(t for t in tables if t and "model" in t[0] and "seconds" in t[0])
+        timing = {r["model"]: float(r["seconds"]) for r in timing_table}
         keys = ["original", next(k for k in timing if k.startswith("HSA in layers")),
                 "HSA in all layers"]
         for key, said in zip(keys, match.groups()):

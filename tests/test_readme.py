@@ -41,6 +41,8 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
                                  f"{type(error).__name__}: {error}\n{code}") from error
     # what the comments promise
     assert tuple(namespace["y"].shape) == (6, 4, 8)                    # cross_hsa
+    assert tuple(namespace["y_induced"].shape) == (12, 16)             # induced tree
+    assert namespace["seq"].num_leaves == namespace["bag"].num_leaves == 12
     assert namespace["cache"].num_tokens == 2                         # two cached tokens
     assert namespace["text"].tokens[:4] == ["It", "rained", ".", "We"]
     assert namespace["article"].x.shape[1] == 32
