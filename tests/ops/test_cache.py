@@ -305,7 +305,7 @@ def test_batched_bad_input_names_the_row():
     bad = x.clone()
     bad[2, 1, 0] = float("nan")
     with pytest.raises(ValueError, match="row 2"):
-        cache.step(bad, x, x)
+        cache.step(bad, x, x, check_finite=True)     # opt-in, as in causal_hsa
     with pytest.raises(ValueError, match=r"attach\[1\].*no token yet"):
         cache.step(x, x, x, attach=[None, 0, None])
     with pytest.raises(ValueError, match=r"depth\[0\] must be an int >= 1"):
