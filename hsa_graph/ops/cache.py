@@ -73,7 +73,12 @@ class CacheState:
         left: ``[B, L, H, F]``, the sum row of the completed children together.
         child: ``[B, L, H, F]``, the sum row of the open child (the spine node one level
             down, the newest leaf at the deepest level).
-        child_lam: ``[B, L, H]``, :math:`\lambda_i` of the open child.
+        child_col: ``[B, L, H, W]``, the open child :math:`S`'s column logits
+            :math:`s\langle r_q(C), r_k(S)\rangle + \log n(S)` against the completed
+            children, and ``child_base`` ``[B, L, H]`` its :math:`G(S) =
+            \mathrm{logaddexp}(\lambda(S), \eta(S))`, both from the newest step: when
+            :math:`S` completes, these are exactly the terms its parent's :math:`G`
+            gains (:meth:`BatchedHSACache._push` computes nothing).
 
     Invariants the step relies on (instead of masks): ``size`` is 0 in every slot at or
     beyond the level's count of completed children (so :math:`\log n = -\infty` drops
@@ -86,10 +91,11 @@ class CacheState:
     base: Tensor
     left: Tensor
     child: Tensor
-    child_lam: Tensor
+    child_col: Tensor
+    child_base: Tensor
 
     #: the slot dimension of each tensor padded to ``W`` (the level dimension is 1)
-    WIDTH_DIM = {"members": 3, "size": 2, "base": 3}
+    WIDTH_DIM = {"members": 3, "size": 2, "base": 3, "child_col": 3}
 
     @classmethod
     def empty(cls, batch: int, depth: int, width: int, heads: int, dim: int, dim_v: int,
@@ -101,7 +107,8 @@ class CacheState:
         return cls(members=zeros(batch, depth, heads, width, f - 1),
                    size=zeros(batch, depth, width), base=zeros(batch, depth, heads, width),
                    left=zeros(batch, depth, heads, f), child=zeros(batch, depth, heads, f),
-                   child_lam=zeros(batch, depth, heads))
+                   child_col=zeros(batch, depth, heads, width),
+                   child_base=zeros(batch, depth, heads))
 
     def tensors(self) -> Dict[str, Tensor]:
         """The state tensors by name."""
@@ -120,7 +127,8 @@ class CacheState:
         """Whether any state tensor is part of an autograd graph."""
         return (self.members.requires_grad or self.size.requires_grad
                 or self.base.requires_grad or self.left.requires_grad
-                or self.child.requires_grad or self.child_lam.requires_grad)
+                or self.child.requires_grad or self.child_col.requires_grad
+                or self.child_base.requires_grad)
 
     def padded(self, depth: int, width: int) -> CacheState:
         """The state grown (with zeros: empty) to ``depth`` levels of ``width`` slots."""
@@ -179,12 +187,14 @@ class LeftSiblings:
     (``theta_bar`` ``[B, L, H, Dv]``): :math:`\eta_i(S)`, :math:`\bar\theta_i(S)`, and
     the two coefficients of the parent's :math:`\lambda` (see :func:`spine_step`)
     ``offset`` :math:`= \mathrm{total} / n_i(A)` and ``weight`` :math:`= n_i(S) /
-    n_i(A)`."""
+    n_i(A)`, and the column logits ``col`` :math:`s\langle r_q(C), r_k(S_i)\rangle + \log
+    n_i(S)` ``[B, L, H, W]``."""
 
     eta: Tensor
     theta_bar: Tensor
     offset: Tensor
     weight: Tensor
+    col: Tensor
 
 
 @dataclass(frozen=True)
@@ -240,7 +250,7 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     total = torch.matmul(logaddexp(state.base, col), state.size.unsqueeze(-1)).squeeze(-1)
     parent_count = count + state.left[..., -1]
     return LeftSiblings(eta=eta, theta_bar=theta_bar, offset=total / parent_count,
-                        weight=count / parent_count)
+                        weight=count / parent_count, col=col)
 
 
 def spine_step(lam: Tensor, eta: Tensor, offset: Tensor, weight: Tensor,
@@ -428,8 +438,8 @@ class BatchedHSACache:
         values, ``dim`` by default), without building it."""
         dim_v = dim if dim_v is None else dim_v
         h = heads
-        wide = width * (h * (2 * dim + dim_v) + 1 + h)        # members, size, base
-        deep = 2 * h * (2 * dim + dim_v + 1) + h              # left, child, child_lam
+        wide = width * (h * (2 * dim + dim_v) + 1 + 2 * h)    # members, size, base, col
+        deep = 2 * h * (2 * dim + dim_v + 1) + h              # left, child, child_base
         item = torch.empty((), dtype=dtype).element_size()
         return depth * (wide + deep) * item + depth * 8 + 16
 
@@ -746,32 +756,22 @@ class BatchedHSACache:
 
     def _push(self, plan: StepPlan, logaddexp: Callable[[Tensor, Tensor], Tensor]) -> None:
         r"""Close the open child :math:`X` at level ``attach`` of each sequence in
-        ``plan.rows``: it takes slot ``plan.slots`` of its parent's completed children,
-        with :math:`G(X) = \mathrm{logaddexp}(\lambda(X), \mathrm{logsumexp}_C\,
-        z(X, C) + \log n(C))`, and every old :math:`G(C)` gains :math:`z(C, X) + \log
-        n(X)`."""
-        st, dev, scale = self._state, self._device(), self._scale()
+        ``plan.rows``: it takes slot ``plan.slots`` of its parent's completed children
+        with :math:`G(X) = \mathrm{logaddexp}(\lambda(X), \mathrm{logsumexp}_C\, z(X, C)
+        + \log n(C))`, and every old :math:`G(C)` gains :math:`z(C, X) + \log n(X)`.
+        The newest step computed both for :math:`X` as the open child
+        (``child_base``, ``child_col``): gathers and scatters only."""
+        st, dev = self._state, self._device()
         b, levels, h, width, _ = st.members.shape
-        d = self.token_spec[1]
         node = (plan.rows * levels + plan.level).to(dev)                   # [P] in B * L
         slot = plan.slots.to(dev)
         child = st.child.view(b * levels, h, -1).index_select(0, node)     # [P, H, F]
         size_x = child[..., -1:]                                           # [P, H, 1]
-        means = child[..., :-1] / size_x                                   # [P, H, 2D + Dv]
-        scaled = means[..., :2 * d] * scale
-        members = st.members.view(b * levels, h, width, -1).index_select(0, node)
-        base_flat = st.base.view(b * levels, h, width)
-        base = base_flat.index_select(0, node)                             # [P, H, W]
-        log_size = st.size.view(b * levels, width).index_select(0, node).log()
-        # z(C, X) + log n(X) for every slot (empty ones are never read: size 0)
-        to_new = torch.matmul(members[..., :d], scaled[..., d:, None]).squeeze(-1) \
-            + size_x.log()
-        base_flat.index_copy_(0, node, logaddexp(base, to_new))
-        from_new = torch.matmul(members[..., d:2 * d], scaled[..., :d, None]).squeeze(-1) \
-            + log_size[:, None]                                            # [P, H, W]
-        lam_x = st.child_lam.view(b * levels, h).index_select(0, node)
-        base_flat[node, :, slot] = logaddexp(lam_x, torch.logsumexp(from_new, -1))
-        st.members.view(b * levels, h, width, -1)[node, :, slot] = means
+        base = st.base.view(b * levels, h, width)
+        col = st.child_col.view(b * levels, h, width).index_select(0, node)
+        base.index_copy_(0, node, logaddexp(base.index_select(0, node), col))
+        base[node, :, slot] = st.child_base.view(b * levels, h).index_select(0, node)
+        st.members.view(b * levels, h, width, -1)[node, :, slot] = child[..., :-1] / size_x
         st.size.view(-1).index_copy_(0, node * width + slot, size_x[:, 0, 0])
         st.left.view(b * levels, h, -1).index_add_(0, node, child)
         self._count[plan.rows, plan.level] = plan.slots + 1
@@ -790,7 +790,7 @@ class BatchedHSACache:
         (:func:`spine_step`, deepest level first), then the top-down sum
         (:func:`top_down`); the open children's rows become the new state."""
         st, scale = self._state, self._scale()
-        b, levels, h = st.child_lam.shape
+        b, levels, h = st.child_base.shape
         leaf = torch.cat([q, k, v, q.new_ones(b, h, 1)], -1)               # [B, H, F]
         sums = spine_sums(st.left, leaf, self._upper(levels))
         sib = left_siblings(st, sums, q.shape[-1], scale, logaddexp)
@@ -805,7 +805,7 @@ class BatchedHSACache:
         lam_s = torch.stack(lams[::-1], 1)                                 # [B, L, H]
         through = torch.stack(throughs[::-1], 1)
         log_mu = (lam_s - through).masked_fill_(through == NEG_INF, 0.0)
-        st.child, st.child_lam = sums, lam_s
+        st.child, st.child_col, st.child_base = sums, sib.col, through
         return top_down(log_mu, sib.theta_bar, v if self.include_self else None)
 
     # ----------------------------------------------------------------- prefill
@@ -921,10 +921,15 @@ class BatchedHSACache:
         open_ = below >= 0
         safe = below.clamp_min(0)
         state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
-        state.child_lam = torch.where(open_[..., None], lam[safe], 0.0)
         fixed = _fixed_of(state.members, state.size, per_group.view(p, levels),
                           x.q.shape[2], x.scale)
         state.base = _logaddexp(lam_slots, fixed)
+        # the open children's terms as a step ending at the last leaf leaves them
+        # (ones where no node is open, only to keep the means finite)
+        sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
+                            x.q.shape[2], x.scale, _logaddexp)
+        state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
+        state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)
         fresh._state = state
         fresh._count = per_group.view(p, levels).cpu()
         fresh._depth = depth_host.clone()
