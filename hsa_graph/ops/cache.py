@@ -32,7 +32,6 @@ from dataclasses import dataclass, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .hsa import _logaddexp, hsa_statistics
@@ -60,9 +59,10 @@ class CacheState:
     count repeated per head, so that one matmul carries sums and counts together).
 
     Attributes:
-        members: ``[B, L, H, W, 2D + Dv]``, the means :math:`r_q | r_k | r_v` of each
-            completed child (heads before slots: the per-level logits are one batched
-            matmul over ``[B, L, H]``).
+        members: ``[B, L, H, W, 2D + Dv]``, the means :math:`r_k | r_q | r_v` of each
+            completed child (keys first, the swap of a sum row's ``q | k``, so that one
+            matmul gives a query's row and column logits; heads before slots, so that
+            it is one batched matmul over ``[B, L, H]``).
         size: ``[B, L, W]``, :math:`n(C)`.
         base: ``[B, L, H, W]``, :math:`G(C) = \mathrm{logaddexp}(\lambda(C), F(C))` with
             :math:`F(C) = \log\sum_{B \ne C} n(B)\, e^{z(C, B)}` over the other completed
@@ -204,6 +204,32 @@ class CacheLevel:
     size: int
 
 
+_SPLIT_MASKS: Dict[tuple, Tensor] = {}
+_MEMBER_ORDERS: Dict[tuple, Tensor] = {}
+
+
+def _split_mask(dim: int, like: Tensor) -> Tensor:
+    """``[[1]*D + [0]*D, [0]*D + [1]*D]`` ``[2, 2D]``, cached per dtype and device."""
+    key = (dim, like.dtype, like.device)
+    if key not in _SPLIT_MASKS:
+        mask = torch.zeros(2, 2 * dim, dtype=like.dtype, device=like.device)
+        mask[0, :dim] = 1
+        mask[1, dim:] = 1
+        _SPLIT_MASKS[key] = mask
+    return _SPLIT_MASKS[key]
+
+
+def _member_order(dim: int, like: Tensor) -> Tensor:
+    """The features of a sum row ``q | k | v | n`` that make a member row
+    ``k | q | v``, cached per device."""
+    key = (dim, like.shape[-1], like.device)
+    if key not in _MEMBER_ORDERS:
+        f = like.shape[-1]
+        _MEMBER_ORDERS[key] = torch.cat([torch.arange(dim, 2 * dim), torch.arange(dim),
+                                         torch.arange(2 * dim, f - 1)]).to(like.device)
+    return _MEMBER_ORDERS[key]
+
+
 def spine_sums(left: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
     r"""The sum rows of every level's open child :math:`S_l` (the new leaf's ancestor
     at depth :math:`l + 1`), ``[B, L, H, F]``:
@@ -236,13 +262,13 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     :math:`\bar\theta = 0`, ``offset`` 0 and ``weight`` 1.
     """
     count = sums[..., -1]                                               # [B, L, H]
-    means = sums[..., :2 * dim] * (scale / count).unsqueeze(-1)         # s r_q | s r_k
     members = state.members
-    keys_t = members[..., dim:2 * dim].transpose(-1, -2)                # r_k [.., D, W]
-    queries_t = members[..., :dim].transpose(-1, -2)                    # r_q [.., D, W]
-    row = torch.matmul(means[..., None, :dim], keys_t).squeeze(-2) \
-        + state.size.log().unsqueeze(2)                                 # [B, L, H, W]
-    col = torch.matmul(means[..., None, dim:], queries_t).squeeze(-2) + count.log()[..., None]
+    # [q | 0] and [0 | k] against [r_k | r_q]: both logits of a level in one matmul
+    pair = sums[..., None, :2 * dim] * _split_mask(dim, sums)           # [B, L, H, 2, 2D]
+    dots = torch.matmul(pair, members[..., :2 * dim].transpose(-1, -2))  # [B, L, H, 2, W]
+    factor = (scale / count).unsqueeze(-1)                              # 1 / n: the means
+    row = torch.addcmul(state.size.log().unsqueeze(2), dots[..., 0, :], factor)
+    col = torch.addcmul(count.log().unsqueeze(-1), dots[..., 1, :], factor)
     eta = torch.logsumexp(row, -1)
     # exp(row - eta), with eta = 0 where every slot is empty: zeros, not NaN
     weights = torch.exp(row - eta.masked_fill(eta == NEG_INF, 0.0).unsqueeze(-1))
@@ -286,7 +312,8 @@ def top_down(log_mu: Tensor, theta_bar: Tensor, v: Optional[Tensor]) -> Tensor:
     (``None`` without ``include_self``)."""
     # log m: inclusive prefix sums behind a 0 (shifted, not subtracted: log mu is
     # -inf for a leaf that skips itself)
-    m = F.pad(torch.cumsum(log_mu, 1), (0, 0, 1, 0)).exp_()            # [B, L + 1, H]
+    run = torch.cumsum(log_mu, 1)
+    m = torch.cat([run.new_zeros(run.shape[0], 1, run.shape[2]), run], 1).exp_()  # [B, L+1, H]
     share = m[:, :-1] - m[:, 1:]
     y = (share.unsqueeze(-1) * theta_bar).sum(1)
     return y if v is None else torch.addcmul(y, m[:, -1].unsqueeze(-1), v)
@@ -761,7 +788,7 @@ class BatchedHSACache:
         + \log n(C))`, and every old :math:`G(C)` gains :math:`z(C, X) + \log n(X)`.
         The newest step computed both for :math:`X` as the open child
         (``child_base``, ``child_col``): gathers and scatters only."""
-        st, dev = self._state, self._device()
+        st, dev, d = self._state, self._device(), self.token_spec[1]
         b, levels, h, width, _ = st.members.shape
         node = (plan.rows * levels + plan.level).to(dev)                   # [P] in B * L
         slot = plan.slots.to(dev)
@@ -771,7 +798,8 @@ class BatchedHSACache:
         col = st.child_col.view(b * levels, h, width).index_select(0, node)
         base.index_copy_(0, node, logaddexp(base.index_select(0, node), col))
         base[node, :, slot] = st.child_base.view(b * levels, h).index_select(0, node)
-        st.members.view(b * levels, h, width, -1)[node, :, slot] = child[..., :-1] / size_x
+        means = child.index_select(-1, _member_order(d, child)) / size_x  # r_k | r_q | r_v
+        st.members.view(b * levels, h, width, -1)[node, :, slot] = means
         st.size.view(-1).index_copy_(0, node * width + slot, size_x[:, 0, 0])
         st.left.view(b * levels, h, -1).index_add_(0, node, child)
         self._count[plan.rows, plan.level] = plan.slots + 1
@@ -908,7 +936,7 @@ class BatchedHSACache:
         fresh.token_spec = spec
         state = fresh._empty_state(p, levels, width)
         h = x.q.shape[1]
-        member_table = torch.cat(means, -1)                               # [M + 1, H, 2D + Dv]
+        member_table = torch.cat([means[1], means[0], means[2]], -1)     # [M + 1, H, 2D + Dv]
         sum_table = torch.cat([*node_sums, size[:, None, None].expand(-1, h, 1)], -1)
         g_seq, g_level = group // levels, group % levels
         state.members[g_seq, g_level, :, slot] = member_table[child]
@@ -948,7 +976,7 @@ def _fixed_of(members: Tensor, size: Tensor, count: Tensor, dim: int, scale: flo
     per node), in blocks of rows ``C`` so that the ``[.., W, W]`` logits stay
     bounded."""
     p, levels, h, width, _ = members.shape
-    rq, rk = members[..., :dim], members[..., dim:2 * dim]
+    rk, rq = members[..., :dim], members[..., dim:2 * dim]
     keys = torch.arange(width, device=members.device)
     valid = keys < count.to(members.device)[..., None]                     # [P, L, W]
     log_n = size.log().masked_fill(~valid, NEG_INF)[:, :, None, None, :]
