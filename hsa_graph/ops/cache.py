@@ -417,6 +417,23 @@ class BatchedHSACache:
         self._count = torch.zeros(batch_size, 1, dtype=torch.long)   # [B, L] completed
         self._depth = torch.zeros(batch_size, dtype=torch.long)      # newest leaf's depth
         self._tokens = torch.zeros(batch_size, dtype=torch.long)
+        # host-side facts of the batch, derived lazily (None: to derive again)
+        self._started: Optional[bool] = None     # every sequence holds a token
+        self._rows: Optional[Tensor] = None      # arange(B)
+
+    def _all_started(self) -> bool:
+        """Whether every sequence holds a token (no first tokens in this step)."""
+        if self._started is None:
+            self._started = bool(self.batch_size) and bool((self._tokens > 0).all())
+        return self._started
+
+    def _all_rows(self) -> Tensor:
+        if self._rows is None or self._rows.shape[0] != self.batch_size:
+            self._rows = torch.arange(self.batch_size)
+        return self._rows
+
+    def _membership_changed(self) -> None:
+        self._started, self._rows = None, None
 
     # ----------------------------------------------------------------- inspection
     @property
@@ -534,6 +551,7 @@ class BatchedHSACache:
     def add(self, count: int = 1) -> List[int]:
         """Start ``count`` empty sequences (their first :meth:`step` opens their root);
         returns their row indices. The other sequences are not touched."""
+        self._membership_changed()
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         first = self.batch_size
@@ -554,6 +572,7 @@ class BatchedHSACache:
             ValueError: an index outside ``0 .. B - 1`` or given twice.
             TypeError: a non-integer index.
         """
+        self._membership_changed()
         b = self.batch_size
         if isinstance(indices, Tensor):
             if indices.dtype == torch.bool or indices.is_floating_point():
@@ -586,6 +605,7 @@ class BatchedHSACache:
         """Move the sequences of ``other`` (same ``include_self``, ``scale`` and token
         shapes) to the end of this batch; returns their new row indices. ``other`` is
         left empty."""
+        self._membership_changed()
         if not isinstance(other, BatchedHSACache):
             raise TypeError(f"other must be a BatchedHSACache, got {type(other).__name__}")
         if other is self:
@@ -652,8 +672,9 @@ class BatchedHSACache:
         as host tensors ``[B]``: one vectorised test of every rule, and the detailed
         message (:meth:`_refuse`) only for a call that breaks one."""
         b, prev = self.batch_size, self._depth
+        started = self._all_started()
         if depth is None:               # the previous depth: nothing to refuse
-            new_depth = prev.clamp_min(1)
+            new_depth = prev if started else prev.clamp_min(1)
             bad = None
         else:
             if isinstance(depth, int) and not isinstance(depth, bool):
@@ -663,9 +684,13 @@ class BatchedHSACache:
                 new_depth = torch.where(given, depth_v, prev.clamp_min(1))
             bad = (new_depth < 1) | (new_depth > self.max_depth)
         # the deepest attach allowed; -1 for a first token (a sequence without tokens)
-        highest = torch.minimum(prev, new_depth) - 1
+        highest = prev - 1 if depth is None else torch.minimum(prev, new_depth) - 1
         if attach is None:              # the same family: always allowed
             attach_v = highest
+        elif started and isinstance(attach, int) and not isinstance(attach, bool):
+            if attach < 0 or attach > int(highest.min()):
+                self._refuse(attach, depth)
+            attach_v = torch.full((b,), attach, dtype=torch.long)
         else:
             if isinstance(attach, int) and not isinstance(attach, bool):
                 attach_v = torch.full((b,), attach, dtype=torch.long)
@@ -715,15 +740,21 @@ class BatchedHSACache:
         """The checked placements, the completing children and the closing levels (host
         tensors only); grows the state to hold them."""
         attach_v, new_depth = self._placements(attach, depth)
-        rows = (attach_v >= 0).nonzero().squeeze(1)
-        level = attach_v[rows]
-        slots = self._count[rows, level]
+        if self._all_started():         # every sequence closes a child
+            rows, level = self._all_rows(), attach_v
+            slots = self._count.gather(1, level[:, None]).squeeze(1)
+        else:
+            rows = (attach_v >= 0).nonzero().squeeze(1)
+            level = attach_v[rows]
+            slots = self._count[rows, level]
         width = int(slots.max()) + 1 if rows.numel() else 1
-        self._ensure(int(new_depth.max()), width)
+        # the previous depth fits the state already
+        self._ensure(self.capacity[0] if depth is None else int(new_depth.max()), width)
         # open nodes strictly between attach and the previous leaf close; the levels
         # at or below the previous leaf are empty already (CacheState's invariant)
         closed = None
-        if bool((attach_v < self._depth - 1).any()):
+        if (attach is not None or depth is not None) and bool(
+                (attach_v < self._depth - 1).any()):
             levels = torch.arange(self._count.shape[1])
             closed = (levels > attach_v[:, None]) & (levels < self._depth[:, None])
         return StepPlan(attach=attach_v, depth=new_depth, rows=rows, level=level,
@@ -779,6 +810,7 @@ class BatchedHSACache:
             y = self._climb(q, k, v, logaddexp)
         self._depth = plan.depth
         self._tokens += 1
+        self._started = True
         return y.to(self.token_spec[3])
 
     def _push(self, plan: StepPlan, logaddexp: Callable[[Tensor, Tensor], Tensor]) -> None:
