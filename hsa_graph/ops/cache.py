@@ -208,13 +208,14 @@ _SPLIT_MASKS: Dict[tuple, Tensor] = {}
 _MEMBER_ORDERS: Dict[tuple, Tensor] = {}
 
 
-def _split_mask(dim: int, like: Tensor) -> Tensor:
-    """``[[1]*D + [0]*D, [0]*D + [1]*D]`` ``[2, 2D]``, cached per dtype and device."""
-    key = (dim, like.dtype, like.device)
+def _split_mask(dim: int, scale: float, like: Tensor) -> Tensor:
+    """``scale * [[1]*D + [0]*D, [0]*D + [1]*D]`` ``[2, 2D]``, cached per dtype and
+    device."""
+    key = (dim, scale, like.dtype, like.device)
     if key not in _SPLIT_MASKS:
         mask = torch.zeros(2, 2 * dim, dtype=like.dtype, device=like.device)
-        mask[0, :dim] = 1
-        mask[1, dim:] = 1
+        mask[0, :dim] = scale
+        mask[1, dim:] = scale
         _SPLIT_MASKS[key] = mask
     return _SPLIT_MASKS[key]
 
@@ -264,14 +265,15 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     count = sums[..., -1]                                               # [B, L, H]
     members = state.members
     # [q | 0] and [0 | k] against [r_k | r_q]: both logits of a level in one matmul
-    pair = sums[..., None, :2 * dim] * _split_mask(dim, sums)           # [B, L, H, 2, 2D]
+    pair = sums[..., None, :2 * dim] * _split_mask(dim, scale, sums)    # [B, L, H, 2, 2D]
     dots = torch.matmul(pair, members[..., :2 * dim].transpose(-1, -2))  # [B, L, H, 2, W]
-    factor = (scale / count).unsqueeze(-1)                              # 1 / n: the means
+    factor = count.reciprocal().unsqueeze(-1)                           # sums -> means
     row = torch.addcmul(state.size.log().unsqueeze(2), dots[..., 0, :], factor)
     col = torch.addcmul(count.log().unsqueeze(-1), dots[..., 1, :], factor)
     eta = torch.logsumexp(row, -1)
-    # exp(row - eta), with eta = 0 where every slot is empty: zeros, not NaN
-    weights = torch.exp(row - eta.masked_fill(eta == NEG_INF, 0.0).unsqueeze(-1))
+    # empty slots at the lowest float weigh exactly 0 next to a real one; a level with
+    # none gets finite weights whose theta_bar top_down multiplies by exactly 0
+    weights = torch.softmax(row.clamp_min(torch.finfo(row.dtype).min), -1)
     theta_bar = torch.matmul(weights.unsqueeze(-2), members[..., 2 * dim:]).squeeze(-2)
     total = torch.matmul(logaddexp(state.base, col), state.size.unsqueeze(-1)).squeeze(-1)
     parent_count = count + state.left[..., -1]
