@@ -1208,7 +1208,7 @@ class HSACache:
                 f"({q.dtype} on {q.device})")
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, *, attach: Optional[int] = None,
-               depth: Optional[int] = None) -> Tensor:
+               depth: Optional[int] = None, check_finite: bool = False) -> Tensor:
         r"""Add one leaf and return its causal HSA output ``[H, Dv]``.
 
         Args:
@@ -1218,10 +1218,11 @@ class HSACache:
                 parent (the same family).
             depth: depth of the new leaf (default: the previous leaf's; 1 for the first
                 token). New internal nodes open at depths ``attach + 1 .. depth - 1``.
+            check_finite: as in :meth:`BatchedHSACache.step` (off by default).
 
         Raises:
             ValueError: bad shapes, tokens of another shape or dtype than the cache
-                holds, a bad placement, or a NaN or inf in the token.
+                holds, a bad placement, or (``check_finite``) a NaN or inf in the token.
             TypeError: non-tensors or mixed dtypes.
         """
         self._check(q, k, v)
@@ -1247,7 +1248,8 @@ class HSACache:
                 raise ValueError(
                     f"attach must be a depth in 0..{highest} (the previous leaf is at depth "
                     f"{prev}, the new one at depth {depth}), got {attach!r}")
-        y = self.batched.step(q[None], k[None], v[None], attach=[attach], depth=[depth])[0]
+        y = self.batched.step(q[None], k[None], v[None], attach=[attach], depth=[depth],
+                              check_finite=check_finite)[0]
         # the tree so far, for inspection: the new internal nodes, then the leaf
         if prev == 0:
             self.parent.append(-1)
