@@ -5,19 +5,25 @@ prefix tree :math:`T_{\le i}`, see :mod:`hsa_graph.ops.causal`) reads only
 
 * the *spine*: the ancestors of :math:`i`, whose statistics are prefix sums;
 * the *completed left siblings* of every spine node, each summarised by its means
-  :math:`r_q, r_k, r_v`, its size :math:`n`, its :math:`\lambda` and
-  :math:`F(C) = \log\sum_{B \ne C} n(B) e^{z(C, B)}` over the other completed siblings.
+  :math:`r_q, r_k, r_v`, its size :math:`n` and :math:`G(C) = \mathrm{logaddexp}(\lambda(C),
+  F(C))`, :math:`F(C) = \log\sum_{B \ne C} n(B) e^{z(C, B)}` over the other completed
+  siblings.
 
 That is the right-skewed sub-tree of the paper's appendix G.2. :class:`BatchedHSACache`
-keeps exactly this for ``B`` sequences at once, as padded tensors ``[B, depth, b, H, D]``
-(``b``: the most completed children any open node holds) with per-level counts, and
-:meth:`BatchedHSACache.step` takes one new token of every sequence in one call:
-:func:`left_siblings` and :func:`spine_step` run once per depth level, vectorised over
-the batch. Per token: :math:`O(b \cdot \mathrm{depth} \cdot H D)` time and the same
-state. :meth:`BatchedHSACache.prefill` builds that state from whole prompts (with their
-trees) in one vectorised pass over :func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of
-one step per prompt token. :class:`HSACache` is the one-sequence cache (a batch of one,
-plus the parent array of the tree it built).
+keeps exactly this for ``B`` sequences at once, as one padded :class:`CacheState`
+(``[B, depth, H, b, .]``, ``b``: the most completed children any open node holds), and
+:meth:`BatchedHSACache.step` takes one new token of every sequence in one call of a fixed
+handful of tensor ops: the spine sums of every level in one matmul (:func:`spine_sums`),
+the sibling logits of every level in one batched matmul (:func:`left_siblings`), the
+``B``-wide recursion of :math:`\lambda` up the levels (:func:`spine_step`, the only
+per-level part: two ops on ``[B, H]``), the top-down sum (:func:`top_down`), and the
+gathers and scatters that file each sequence's completing child (its terms were computed
+by the step before). Per token: :math:`O(b \cdot \mathrm{depth} \cdot H D)` time and the
+same state, no host-device synchronisation. :meth:`BatchedHSACache.prefill` builds that
+state from whole prompts (with their trees) in one vectorised pass over
+:func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of one step per prompt token.
+:class:`HSACache` is the one-sequence cache (a batch of one, plus the parent array of the
+tree it built).
 
 Where a new leaf hangs is the caller's choice: ``attach`` is the depth of the deepest
 open node that the new leaf descends from (nodes below it are closed for good), and
@@ -259,8 +265,9 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
 
     with :math:`r(S_i)` the means over :math:`S`'s leaves so far and :math:`G` as in
     :class:`CacheState`; empty slots drop out through :math:`\log n = -\infty` and
-    :math:`n = 0`. Levels without a completed child get :math:`\eta = -\infty`,
-    :math:`\bar\theta = 0`, ``offset`` 0 and ``weight`` 1.
+    :math:`n = 0`. Levels without a completed child get :math:`\eta = -\infty`, ``offset``
+    0 and ``weight`` 1 (so :math:`\mu = 1` there) and a finite, unused
+    :math:`\bar\theta`.
     """
     count = sums[..., -1]                                               # [B, L, H]
     members = state.members
