@@ -129,13 +129,6 @@ class CacheState:
         """Bytes held by the state tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def requires_grad(self) -> bool:
-        """Whether any state tensor is part of an autograd graph."""
-        return (self.members.requires_grad or self.size.requires_grad
-                or self.base.requires_grad or self.left.requires_grad
-                or self.child.requires_grad or self.child_col.requires_grad
-                or self.child_base.requires_grad)
-
     def padded(self, depth: int, width: int) -> CacheState:
         """The state grown (with zeros: empty) to ``depth`` levels of ``width`` slots."""
         out = {}
@@ -806,11 +799,9 @@ class BatchedHSACache:
         """
         q, k, v = self._check_tokens(q, k, v, check_finite)
         plan = self._plan(attach, depth)
-        grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or self._state.requires_grad())
-        # torch.logaddexp where nothing records gradients; the NaN-free backward else
-        logaddexp = _logaddexp if grad else torch.logaddexp
+        # the state is updated in place, so a step is not differentiable (as before):
+        # torch's logaddexp, not the NaN-free backward of ops.hsa
+        logaddexp = torch.logaddexp
         with no_autocast(q.device):
             if plan.rows.numel():
                 self._push(plan, logaddexp)
