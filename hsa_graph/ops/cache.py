@@ -103,6 +103,24 @@ class CacheState:
     #: the slot dimension of each tensor padded to ``W`` (the level dimension is 1)
     WIDTH_DIM = {"members": 3, "size": 2, "base": 3, "child_col": 3}
 
+    def __post_init__(self):
+        self._views: Optional[StateViews] = None
+
+    def views(self, dim: int) -> StateViews:
+        """The views a step reads and writes, made once: ``members``, ``size``,
+        ``base`` and ``left`` change in place only (a new layout is a new state)."""
+        if self._views is None:
+            b, levels, h, width, _ = self.members.shape
+            self._views = StateViews(
+                keys_t=self.members[..., :2 * dim].transpose(-1, -2),
+                values=self.members[..., 2 * dim:], size_row=self.size.unsqueeze(2),
+                size_col=self.size.unsqueeze(-1), left_rows=self.left.view(b, levels, -1),
+                left_count=self.left[..., -1],
+                flat_members=self.members.view(b * levels, h, width, -1),
+                flat_base=self.base.view(b * levels, h, width), flat_size=self.size.view(-1),
+                flat_left=self.left.view(b * levels, h, -1))
+        return self._views
+
     @classmethod
     def empty(cls, batch: int, depth: int, width: int, heads: int, dim: int, dim_v: int,
               dtype: torch.dtype, device: torch.device) -> CacheState:
@@ -154,6 +172,32 @@ class CacheState:
         """This batch followed by ``other`` (of the same capacity)."""
         mine, theirs = self.tensors(), other.tensors()
         return CacheState(**{name: torch.cat([t, theirs[name]]) for name, t in mine.items()})
+
+
+@dataclass(frozen=True)
+class StateViews:
+    """Views of a :class:`CacheState` (``F`` features of a sum row, ``F' = F - 1``).
+
+    Attributes:
+        keys_t: ``[B, L, H, 2D, W]``, :math:`(r_k | r_q)^T` of the members.
+        values: ``[B, L, H, W, Dv]``, their :math:`r_v`.
+        size_row, size_col: ``[B, L, 1, W]`` and ``[B, L, W, 1]``, :math:`n(C)`.
+        left_rows: ``[B, L, H F]``; left_count: ``[B, L, H]``, the left sums' counts.
+        flat_members, flat_base, flat_size, flat_left: the open nodes flattened to
+            ``B L`` rows (``[B L, H, W, F']``, ``[B L, H, W]``, ``[B L W]``,
+            ``[B L, H, F]``), for the per-sequence gathers and scatters.
+    """
+
+    keys_t: Tensor
+    values: Tensor
+    size_row: Tensor
+    size_col: Tensor
+    left_rows: Tensor
+    left_count: Tensor
+    flat_members: Tensor
+    flat_base: Tensor
+    flat_size: Tensor
+    flat_left: Tensor
 
 
 @dataclass(frozen=True)
@@ -230,15 +274,16 @@ def _member_order(dim: int, like: Tensor) -> Tensor:
     return _MEMBER_ORDERS[key]
 
 
-def spine_sums(left: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
+def spine_sums(left_rows: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
     r"""The sum rows of every level's open child :math:`S_l` (the new leaf's ancestor
     at depth :math:`l + 1`), ``[B, L, H, F]``:
     :math:`\mathrm{sum}(S_l) = \mathrm{leaf} + \sum_{l' > l} \mathrm{left}_{l'}`, one
     matmul with the strictly upper triangular ones ``upper`` ``[L, L]`` (a sum, not a
     difference of prefix sums: no cancellation). Levels at or below the leaf get the
-    leaf alone (their ``left`` is 0)."""
-    b, levels, h, f = left.shape
-    above = torch.matmul(upper, left.view(b, levels, h * f)).view(b, levels, h, f)
+    leaf alone (their ``left`` is 0). ``left_rows``: the left sums ``[B, L, H F]``, ``leaf``
+    ``[B, H, F]``."""
+    b, levels = left_rows.shape[:2]
+    above = torch.matmul(upper, left_rows).view(b, levels, *leaf.shape[1:])
     return above.add_(leaf[:, None])
 
 
@@ -263,20 +308,20 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     :math:`\bar\theta`.
     """
     count = sums[..., -1]                                               # [B, L, H]
-    members = state.members
+    views = state.views(dim)
     # [q | 0] and [0 | k] against [r_k | r_q]: both logits of a level in one matmul
     pair = sums[..., None, :2 * dim] * _split_mask(dim, scale, sums)    # [B, L, H, 2, 2D]
-    dots = torch.matmul(pair, members[..., :2 * dim].transpose(-1, -2))  # [B, L, H, 2, W]
+    dots = torch.matmul(pair, views.keys_t)                             # [B, L, H, 2, W]
     factor = count.reciprocal().unsqueeze(-1)                           # sums -> means
-    row = torch.addcmul(state.size.log().unsqueeze(2), dots[..., 0, :], factor)
+    row = torch.addcmul(views.size_row.log(), dots[..., 0, :], factor)
     col = torch.addcmul(count.log().unsqueeze(-1), dots[..., 1, :], factor)
     eta = torch.logsumexp(row, -1)
     # empty slots at the lowest float weigh exactly 0 next to a real one; a level with
     # none gets finite weights whose theta_bar top_down multiplies by exactly 0
     weights = torch.softmax(row.clamp_min(torch.finfo(row.dtype).min), -1)
-    theta_bar = torch.matmul(weights.unsqueeze(-2), members[..., 2 * dim:]).squeeze(-2)
-    total = torch.matmul(logaddexp(state.base, col), state.size.unsqueeze(-1)).squeeze(-1)
-    parent_count = count + state.left[..., -1]
+    theta_bar = torch.matmul(weights.unsqueeze(-2), views.values).squeeze(-2)
+    total = torch.matmul(logaddexp(state.base, col), views.size_col).squeeze(-1)
+    parent_count = count + views.left_count
     return LeftSiblings(eta=eta, theta_bar=theta_bar, offset=total / parent_count,
                         weight=count / parent_count, col=col)
 
@@ -824,16 +869,17 @@ class BatchedHSACache:
         b, levels, h, width, _ = st.members.shape
         node = (plan.rows * levels + plan.level).to(dev)                   # [P] in B * L
         slot = plan.slots.to(dev)
+        views = st.views(d)
         child = st.child.view(b * levels, h, -1).index_select(0, node)     # [P, H, F]
         size_x = child[..., -1:]                                           # [P, H, 1]
-        base = st.base.view(b * levels, h, width)
+        base = views.flat_base
         col = st.child_col.view(b * levels, h, width).index_select(0, node)
         base.index_copy_(0, node, logaddexp(base.index_select(0, node), col))
         base[node, :, slot] = st.child_base.view(b * levels, h).index_select(0, node)
         means = child.index_select(-1, _member_order(d, child)) / size_x  # r_k | r_q | r_v
-        st.members.view(b * levels, h, width, -1)[node, :, slot] = means
-        st.size.view(-1).index_copy_(0, node * width + slot, size_x[:, 0, 0])
-        st.left.view(b * levels, h, -1).index_add_(0, node, child)
+        views.flat_members[node, :, slot] = means
+        views.flat_size.index_copy_(0, node * width + slot, size_x[:, 0, 0])
+        views.flat_left.index_add_(0, node, child)
         self._count[plan.rows, plan.level] = plan.slots + 1
 
     def _close(self, closed: Tensor) -> None:
@@ -852,7 +898,7 @@ class BatchedHSACache:
         st, scale = self._state, self._scale()
         b, levels, h = st.child_base.shape
         leaf = torch.cat([q, k, v, q.new_ones(b, h, 1)], -1)               # [B, H, F]
-        sums = spine_sums(st.left, leaf, self._upper(levels))
+        sums = spine_sums(st.views(q.shape[-1]).left_rows, leaf, self._upper(levels))
         sib = left_siblings(st, sums, q.shape[-1], scale, logaddexp)
         lam = (torch.linalg.vecdot(q, k) * scale if self.include_self
                else q.new_full((b, h), NEG_INF))
@@ -864,7 +910,9 @@ class BatchedHSACache:
             throughs.append(through)
         lam_s = torch.stack(lams[::-1], 1)                                 # [B, L, H]
         through = torch.stack(throughs[::-1], 1)
-        log_mu = (lam_s - through).masked_fill_(through == NEG_INF, 0.0)
+        log_mu = lam_s - through
+        if not self.include_self:   # a leaf that skips itself: -inf - -inf is 0 here
+            log_mu.masked_fill_(through == NEG_INF, 0.0)
         st.child, st.child_col, st.child_base = sums, sib.col, through
         return top_down(log_mu, sib.theta_bar, v if self.include_self else None)
 
@@ -983,7 +1031,7 @@ class BatchedHSACache:
         state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
         fixed = _fixed_of(state.members, state.size, per_group.view(p, levels),
                           x.q.shape[2], x.scale)
-        state.base = _logaddexp(lam_slots, fixed)
+        state.base.copy_(_logaddexp(lam_slots, fixed))     # in place: views of it live on
         # the open children's terms as a step ending at the last leaf leaves them
         # (ones where no node is open, only to keep the means finite)
         sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
