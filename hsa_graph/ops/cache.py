@@ -1010,34 +1010,12 @@ class BatchedHSACache:
                          _internal_lam(st, stats, size)])                 # [M + 1, H]
         means = [torch.cat([leaf, internal]) for leaf, internal in
                  ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))]      # [M + 1, H, .]
-        node_sums = [m * size[:, None, None] for m in means]
 
         fresh = BatchedHSACache(p, self.include_self, self.scale, self.max_depth)
         fresh.token_spec = spec
         state = fresh._empty_state(p, levels, width)
-        h = x.q.shape[1]
-        member_table = torch.cat([means[1], means[0], means[2]], -1)     # [M + 1, H, 2D + Dv]
-        sum_table = torch.cat([*node_sums, size[:, None, None].expand(-1, h, 1)], -1)
-        g_seq, g_level = group // levels, group % levels
-        state.members[g_seq, g_level, :, slot] = member_table[child]
-        state.size[g_seq, g_level, slot] = size[child]
-        lam_slots = torch.zeros_like(state.base)
-        lam_slots[g_seq, g_level, :, slot] = lam[child]
-        state.left.view(p * levels, h, -1).index_add_(0, group, sum_table[child])
-        # the open child at each level: the spine node one level down
-        below = spine[:, 1:]                                              # [P, levels]
-        open_ = below >= 0
-        safe = below.clamp_min(0)
-        state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
-        fixed = _fixed_of(state.members, state.size, per_group.view(p, levels),
-                          x.q.shape[2], x.scale)
-        state.base.copy_(_logaddexp(lam_slots, fixed))     # in place: views of it live on
-        # the open children's terms as a step ending at the last leaf leaves them
-        # (ones where no node is open, only to keep the means finite)
-        sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
-                            x.q.shape[2], x.scale, _logaddexp)
-        state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
-        state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)
+        _fill_prompt_state(state, means, size, lam, child, group, slot, spine,
+                           per_group.view(p, levels), x.scale)
         fresh._state = state
         fresh._count = per_group.view(p, levels).cpu()
         fresh._depth = depth_host.clone()
@@ -1046,6 +1024,47 @@ class BatchedHSACache:
         if not return_outputs:
             return None
         return causal_hsa(q, k, v, tree, include_self=self.include_self, scale=self.scale)
+
+
+def _fill_prompt_state(state: CacheState, means: List[Tensor], size: Tensor, lam: Tensor,
+                       child: Tensor, group: Tensor, slot: Tensor, spine: Tensor,
+                       count: Tensor, scale: float) -> None:
+    r"""Write the state that stepping through the prompts would leave into the empty
+    ``state`` (``P`` prompts, ``L`` levels) of :meth:`BatchedHSACache.prefill`.
+
+    Args:
+        means: the per-node means of ``q``, ``k``, ``v`` ``[M + 1, H, .]`` (row ``M``:
+            a padding node of size 1); size: ``[M + 1]``; lam: :math:`\lambda` ``[M + 1,
+            H]``.
+        child, group, slot: the completed children ``[K]``, their ``prompt * L +
+            level`` and their slot.
+        spine: ``[P, L + 1]``, each prompt's spine node per depth (``-1`` past its end).
+        count: ``[P, L]``, completed children per open node; scale: the logit scale.
+    """
+    p, levels, h = state.base.shape[:3]
+    dim = means[0].shape[-1]
+    member_table = torch.cat([means[1], means[0], means[2]], -1)     # [M + 1, H, 2D + Dv]
+    sum_table = torch.cat([*(m * size[:, None, None] for m in means),
+                           size[:, None, None].expand(-1, h, 1)], -1)  # [M + 1, H, F]
+    g_seq, g_level = group // levels, group % levels
+    state.members[g_seq, g_level, :, slot] = member_table[child]
+    state.size[g_seq, g_level, slot] = size[child]
+    lam_slots = torch.zeros_like(state.base)
+    lam_slots[g_seq, g_level, :, slot] = lam[child]
+    state.left.view(p * levels, h, -1).index_add_(0, group, sum_table[child])
+    # the open child at each level: the spine node one level down
+    below = spine[:, 1:]                                              # [P, levels]
+    open_ = below >= 0
+    safe = below.clamp_min(0)
+    state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
+    fixed = _fixed_of(state.members, state.size, count, dim, scale)
+    state.base.copy_(_logaddexp(lam_slots, fixed))     # in place: views of it live on
+    # the open children's terms as a step ending at the last leaf leaves them
+    # (ones where no node is open, only to keep the means finite)
+    sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
+                        dim, scale, _logaddexp)
+    state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
+    state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)
 
 
 def _fixed_of(members: Tensor, size: Tensor, count: Tensor, dim: int, scale: float,
