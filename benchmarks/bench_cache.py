@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -89,19 +90,23 @@ def step_row(batch: int, length: int, args, gen: torch.Generator) -> Dict:
     kv_v = torch.zeros_like(kv_k)
     kv_k[:, :, :length] = k[:length].transpose(0, 1)
     kv_v[:, :, :length] = v[:length].transpose(0, 1)
-    t_hsa = t_flat = float("inf")
+    t_hsa, t_flat = [], []
     for i in range(length, length + args.steps):
         qi, ki, vi = (t[i].expand(batch, h, d).contiguous() for t in (q, k, v))
         place = attach_of(i, b, depth) if i < n_tree else 0
         start = time.perf_counter()
         cache.step(qi, ki, vi, attach=place)
-        t_hsa = min(t_hsa, time.perf_counter() - start)
+        t_hsa.append(time.perf_counter() - start)
         start = time.perf_counter()
         kv_k[:, :, i], kv_v[:, :, i] = ki, vi
         F.scaled_dot_product_attention(qi.unsqueeze(2), kv_k[:, :, :i + 1], kv_v[:, :, :i + 1])
-        t_flat = min(t_flat, time.perf_counter() - start)
-    return dict(batch=batch, tokens=length, depth=depth, hsa_step_ms=1e3 * t_hsa,
-                flat_kv_step_ms=1e3 * t_flat, ratio=t_hsa / t_flat,
+        t_flat.append(time.perf_counter() - start)
+    best_hsa, best_flat = min(t_hsa), min(t_flat)
+    return dict(batch=batch, tokens=length, depth=depth, hsa_step_ms=1e3 * best_hsa,
+                flat_kv_step_ms=1e3 * best_flat, ratio=best_hsa / best_flat,
+                hsa_step_median_ms=1e3 * statistics.median(t_hsa),
+                flat_kv_step_median_ms=1e3 * statistics.median(t_flat),
+                median_ratio=statistics.median(t_hsa) / statistics.median(t_flat),
                 state_bytes_per_sequence=cache.state_bytes(per_sequence=True),
                 flat_kv_bytes_per_sequence=2 * (length + args.steps) * h * d * 4)
 
@@ -141,7 +146,8 @@ def main() -> None:
     parser.add_argument("--branching", type=int, default=16)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (best of)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="timed steps (best of, and their median)")
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings (best of)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -159,7 +165,9 @@ def main() -> None:
         steps.append(step_row(batch, length, args, gen))
         r = steps[-1]
         print(f"step B={batch:2d} at {length:6d} tokens: hsa {r['hsa_step_ms']:.3f} ms, flat kv "
-              f"{r['flat_kv_step_ms']:.3f} ms, hsa / flat {r['ratio']:.2f}", flush=True)
+              f"{r['flat_kv_step_ms']:.3f} ms, hsa / flat {r['ratio']:.2f} (best of "
+              f"{args.steps}; medians {r['hsa_step_median_ms']:.3f} / "
+              f"{r['flat_kv_step_median_ms']:.3f} ms, {r['median_ratio']:.2f})", flush=True)
     prefill = prefill_row(prefill_len, args, gen)
     print(f"prefill {prefill_len} tokens: {prefill['prefill_ms']:.1f} ms vs causal_hsa "
           f"{prefill['causal_hsa_ms']:.1f} ms ({prefill['ratio']:.2f}x)", flush=True)

@@ -82,7 +82,8 @@ def _comparison_checks(row: str, source: str, table: List[Dict[str, str]]) -> Li
             continue
         seen = set()
         for model, mean, ci in re.findall(
-                r"\b(HSA-induced|HSA|FSA|DeepSet)(?: over all leaves)? " + NUMBER + r" \+- " + NUMBER, part):
+                r"\b(HSA-induced|HSA|FSA|DeepSet)(?: over all leaves)? " + NUMBER
+                + r" \+- " + NUMBER, part):
             if model in seen:  # the first figure per model is the accuracy
                 continue
             seen.add(model)

@@ -5,19 +5,25 @@ prefix tree :math:`T_{\le i}`, see :mod:`hsa_graph.ops.causal`) reads only
 
 * the *spine*: the ancestors of :math:`i`, whose statistics are prefix sums;
 * the *completed left siblings* of every spine node, each summarised by its means
-  :math:`r_q, r_k, r_v`, its size :math:`n`, its :math:`\lambda` and
-  :math:`F(C) = \log\sum_{B \ne C} n(B) e^{z(C, B)}` over the other completed siblings.
+  :math:`r_q, r_k, r_v`, its size :math:`n` and :math:`G(C) = \mathrm{logaddexp}(\lambda(C),
+  F(C))`, :math:`F(C) = \log\sum_{B \ne C} n(B) e^{z(C, B)}` over the other completed
+  siblings.
 
 That is the right-skewed sub-tree of the paper's appendix G.2. :class:`BatchedHSACache`
-keeps exactly this for ``B`` sequences at once, as padded tensors ``[B, depth, b, H, D]``
-(``b``: the most completed children any open node holds) with per-level counts, and
-:meth:`BatchedHSACache.step` takes one new token of every sequence in one call:
-:func:`left_siblings` and :func:`spine_step` run once per depth level, vectorised over
-the batch. Per token: :math:`O(b \cdot \mathrm{depth} \cdot H D)` time and the same
-state. :meth:`BatchedHSACache.prefill` builds that state from whole prompts (with their
-trees) in one vectorised pass over :func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of
-one step per prompt token. :class:`HSACache` is the one-sequence cache (a batch of one,
-plus the parent array of the tree it built).
+keeps exactly this for ``B`` sequences at once, as one padded :class:`CacheState`
+(``[B, depth, H, b, .]``, ``b``: the most completed children any open node holds), and
+:meth:`BatchedHSACache.step` takes one new token of every sequence in one call of a fixed
+handful of tensor ops: the spine sums of every level in one matmul (:func:`spine_sums`),
+the sibling logits of every level in one batched matmul (:func:`left_siblings`), the
+``B``-wide recursion of :math:`\lambda` up the levels (:func:`spine_step`, the only
+per-level part: two ops on ``[B, H]``), the top-down sum (:func:`top_down`), and the
+gathers and scatters that file each sequence's completing child (its terms were computed
+by the step before). Per token: :math:`O(b \cdot \mathrm{depth} \cdot H D)` time and the
+same state, no host-device synchronisation. :meth:`BatchedHSACache.prefill` builds that
+state from whole prompts (with their trees) in one vectorised pass over
+:func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of one step per prompt token.
+:class:`HSACache` is the one-sequence cache (a batch of one, plus the parent array of the
+tree it built).
 
 Where a new leaf hangs is the caller's choice: ``attach`` is the depth of the deepest
 open node that the new leaf descends from (nodes below it are closed for good), and
@@ -28,13 +34,13 @@ the sentence, ``attach=1`` opens a sentence and ``attach=0`` a paragraph.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .hsa import _log_ratio, _logaddexp, hsa_statistics
+from .hsa import _logaddexp, hsa_statistics
 from .inputs import (
     check_scale,
     check_tensors,
@@ -50,48 +56,188 @@ NEG_INF = float("-inf")
 
 Placement = Union[None, int, Sequence[Optional[int]], Tensor]
 
-# State tensors of a batched cache: [B, L, W, ...] per completed child, [B, L, ...] per
-# open node (L: depth capacity, W: completed-children capacity).
-_WIDE = ("rq", "rk", "rv", "size", "lam", "fixed")
-_DEEP = ("left_q", "left_k", "left_v", "left_n", "child_q", "child_k", "child_v",
-         "child_n", "child_lam")
+@dataclass
+class CacheState:
+    r"""The device state of :class:`BatchedHSACache`: ``B`` sequences, ``L`` depth levels
+    (level ``l`` is a sequence's open spine node at depth ``l``) and ``W`` slots for the
+    completed children :math:`C` of each open node. A *sum* row has ``F = 2D + Dv + 1``
+    features: the sums of ``q | k | v`` over a node's leaves and its leaf count (the
+    count repeated per head, so that one matmul carries sums and counts together).
+
+    Attributes:
+        members: ``[B, L, H, W, 2D + Dv]``, the means :math:`r_k | r_q | r_v` of each
+            completed child (keys first, the swap of a sum row's ``q | k``, so that one
+            matmul gives a query's row and column logits; heads before slots, so that
+            it is one batched matmul over ``[B, L, H]``).
+        size: ``[B, L, W]``, :math:`n(C)`.
+        base: ``[B, L, H, W]``, :math:`G(C) = \mathrm{logaddexp}(\lambda(C), F(C))` with
+            :math:`F(C) = \log\sum_{B \ne C} n(B)\, e^{z(C, B)}` over the other completed
+            children: a query's column term :math:`\mathrm{logaddexp}(\lambda(C),
+            \eta_i(C))` is then :math:`\mathrm{logaddexp}(G(C), s\langle r_q(C), r_k(S_i)
+            \rangle + \log n_i(S))`. :math:`G` changes only when a sibling completes,
+            as :math:`G(C) \leftarrow \mathrm{logaddexp}(G(C), z(C, X) + \log n(X))`.
+        left: ``[B, L, H, F]``, the sum row of the completed children together.
+        child: ``[B, L, H, F]``, the sum row of the open child (the spine node one level
+            down, the newest leaf at the deepest level).
+        child_col: ``[B, L, H, W]``, the open child :math:`S`'s column logits
+            :math:`s\langle r_q(C), r_k(S)\rangle + \log n(S)` against the completed
+            children, and ``child_base`` ``[B, L, H]`` its :math:`G(S) =
+            \mathrm{logaddexp}(\lambda(S), \eta(S))`, both from the newest step: when
+            :math:`S` completes, these are exactly the terms its parent's :math:`G`
+            gains (:meth:`BatchedHSACache._push` computes nothing).
+
+    Invariants the step relies on (instead of masks): ``size`` is 0 in every slot at or
+    beyond the level's count of completed children (so :math:`\log n = -\infty` drops
+    it from every sum), and ``left`` and ``size`` are 0 at every level at or below a
+    sequence's newest leaf (so those levels pass :math:`\lambda` through unchanged).
+    """
+
+    members: Tensor
+    size: Tensor
+    base: Tensor
+    left: Tensor
+    child: Tensor
+    child_col: Tensor
+    child_base: Tensor
+
+    #: the slot dimension of each tensor padded to ``W`` (the level dimension is 1)
+    WIDTH_DIM = {"members": 3, "size": 2, "base": 3, "child_col": 3}
+
+    def __post_init__(self):
+        self._views: Optional[StateViews] = None
+
+    def views(self, dim: int) -> StateViews:
+        """The views a step reads and writes, made once: ``members``, ``size``,
+        ``base`` and ``left`` change in place only (a new layout is a new state)."""
+        if self._views is None:
+            b, levels, h, width, _ = self.members.shape
+            self._views = StateViews(
+                keys_t=self.members[..., :2 * dim].transpose(-1, -2),
+                values=self.members[..., 2 * dim:], size_row=self.size.unsqueeze(2),
+                size_col=self.size.unsqueeze(-1), left_rows=self.left.view(b, levels, -1),
+                left_count=self.left[..., -1],
+                flat_members=self.members.view(b * levels, h, width, -1),
+                flat_base=self.base.view(b * levels, h, width), flat_size=self.size.view(-1),
+                flat_left=self.left.view(b * levels, h, -1))
+        return self._views
+
+    @classmethod
+    def empty(cls, batch: int, depth: int, width: int, heads: int, dim: int, dim_v: int,
+              dtype: torch.dtype, device: torch.device) -> CacheState:
+        """All-zero state (every slot and level empty)."""
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        f = 2 * dim + dim_v + 1
+        return cls(members=zeros(batch, depth, heads, width, f - 1),
+                   size=zeros(batch, depth, width), base=zeros(batch, depth, heads, width),
+                   left=zeros(batch, depth, heads, f), child=zeros(batch, depth, heads, f),
+                   child_col=zeros(batch, depth, heads, width),
+                   child_base=zeros(batch, depth, heads))
+
+    def tensors(self) -> Dict[str, Tensor]:
+        """The state tensors by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def capacity(self) -> Tuple[int, int]:
+        """``(L, W)``."""
+        return (self.members.shape[1], self.members.shape[3])
+
+    def nbytes(self) -> int:
+        """Bytes held by the state tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def padded(self, depth: int, width: int) -> CacheState:
+        """The state grown (with zeros: empty) to ``depth`` levels of ``width`` slots."""
+        out = {}
+        for name, t in self.tensors().items():
+            shape = list(t.shape)
+            shape[1] = depth
+            if name in self.WIDTH_DIM:
+                shape[self.WIDTH_DIM[name]] = width
+            if list(t.shape) == shape:
+                out[name] = t
+                continue
+            new = t.new_zeros(shape)
+            new[tuple(slice(0, n) for n in t.shape)] = t
+            out[name] = new
+        return CacheState(**out)
+
+    def select(self, rows: Tensor) -> CacheState:
+        """The sequences at ``rows`` (a device long tensor), in that order."""
+        return CacheState(**{name: t.index_select(0, rows)
+                             for name, t in self.tensors().items()})
+
+    def cat(self, other: CacheState) -> CacheState:
+        """This batch followed by ``other`` (of the same capacity)."""
+        mine, theirs = self.tensors(), other.tensors()
+        return CacheState(**{name: torch.cat([t, theirs[name]]) for name, t in mine.items()})
 
 
 @dataclass(frozen=True)
-class SpineNode:
-    r"""The new tokens' spine nodes at one depth, as far as they go: the sums of ``q``,
-    ``k``, ``v`` over their leaves so far ``[B, H, D]`` / ``[B, H, Dv]``, their counts
-    :math:`n_i(S)` ``[B]`` and :math:`\lambda_i(S)` ``[B, H]``."""
+class StateViews:
+    """Views of a :class:`CacheState` (``F`` features of a sum row, ``F' = F - 1``).
 
-    sums: Tuple[Tensor, Tensor, Tensor]
-    count: Tensor
-    lam: Tensor
+    Attributes:
+        keys_t: ``[B, L, H, 2D, W]``, :math:`(r_k | r_q)^T` of the members.
+        values: ``[B, L, H, W, Dv]``, their :math:`r_v`.
+        size_row, size_col: ``[B, L, 1, W]`` and ``[B, L, W, 1]``, :math:`n(C)`.
+        left_rows: ``[B, L, H F]``; left_count: ``[B, L, H]``, the left sums' counts.
+        flat_members, flat_base, flat_size, flat_left: the open nodes flattened to
+            ``B L`` rows (``[B L, H, W, F']``, ``[B L, H, W]``, ``[B L W]``,
+            ``[B L, H, F]``), for the per-sequence gathers and scatters.
+    """
+
+    keys_t: Tensor
+    values: Tensor
+    size_row: Tensor
+    size_col: Tensor
+    left_rows: Tensor
+    left_count: Tensor
+    flat_members: Tensor
+    flat_base: Tensor
+    flat_size: Tensor
+    flat_left: Tensor
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where one :meth:`BatchedHSACache.step` puts each sequence's new leaf, as host
+    long tensors (so that no capacity or validity decision waits on the device).
+
+    Attributes:
+        attach: ``[B]``, the depth the new leaf descends from (``-1``: a first token).
+        depth: ``[B]``, the new leaf's depth.
+        rows: ``[P]``, the sequences whose open child at level ``attach`` completes.
+        level: ``[P]``, their ``attach``.
+        slots: ``[P]``, the slot it takes (the level's count of completed children).
+        closed: ``[B, L]``, levels whose open node closes (between ``attach`` and the
+            previous leaf), or ``None`` where no sequence closes one.
+    """
+
+    attach: Tensor
+    depth: Tensor
+    rows: Tensor
+    level: Tensor
+    slots: Tensor
+    closed: Optional[Tensor]
 
 
 @dataclass(frozen=True)
 class LeftSiblings:
-    r"""What the completed left siblings :math:`C` of the spine nodes :math:`S`
-    contribute (see :func:`left_siblings`): :math:`\eta_i(S)` ``[B, H]``,
-    :math:`\bar\theta_i(S)` ``[B, H, Dv]``, ``total`` :math:`= \sum_C n(C)\,
-    \mathrm{logaddexp}(\lambda(C), \eta_i(C))` ``[B, H]``, and their sums of ``q``,
-    ``k``, ``v`` and leaf counts ``[B]``."""
+    r"""What the completed children :math:`C` of every open node contribute to its
+    open child :math:`S` (see :func:`left_siblings`), every level at once ``[B, L, H]``
+    (``theta_bar`` ``[B, L, H, Dv]``): :math:`\eta_i(S)`, :math:`\bar\theta_i(S)`, and
+    the two coefficients of the parent's :math:`\lambda` (see :func:`spine_step`)
+    ``offset`` :math:`= \mathrm{total} / n_i(A)` and ``weight`` :math:`= n_i(S) /
+    n_i(A)`, and the column logits ``col`` :math:`s\langle r_q(C), r_k(S_i)\rangle + \log
+    n_i(S)` ``[B, L, H, W]``."""
 
     eta: Tensor
     theta_bar: Tensor
-    total: Tensor
-    sums: Tuple[Tensor, Tensor, Tensor]
-    count: Tensor
-
-
-@dataclass(frozen=True)
-class SpineStep:
-    r"""One step up the spines: the parent :class:`SpineNode` :math:`A`, and
-    :math:`\log\mu_i(S)` ``[B, H]`` and :math:`\bar\theta_i(S)` ``[B, H, Dv]`` of the
-    child for the top-down sum."""
-
-    parent: SpineNode
-    log_mu: Tensor
-    theta_bar: Tensor
+    offset: Tensor
+    weight: Tensor
+    col: Tensor
 
 
 @dataclass(frozen=True)
@@ -101,76 +247,123 @@ class CacheLevel:
     size: int
 
 
-def left_siblings(members: Dict[str, Tensor], valid: Tensor, node: SpineNode,
-                  left: Tuple[Tuple[Tensor, Tensor, Tensor], Tensor],
-                  scale: float) -> LeftSiblings:
-    r"""What the completed children :math:`C` of one open node per sequence contribute
-    to its open child :math:`S` (= ``node``):
+_SPLIT_MASKS: Dict[tuple, Tensor] = {}
+_MEMBER_ORDERS: Dict[tuple, Tensor] = {}
+
+
+def _split_mask(dim: int, scale: float, like: Tensor) -> Tensor:
+    """``scale * [[1]*D + [0]*D, [0]*D + [1]*D]`` ``[2, 2D]``, cached per dtype and
+    device."""
+    key = (dim, scale, like.dtype, like.device)
+    if key not in _SPLIT_MASKS:
+        mask = torch.zeros(2, 2 * dim, dtype=like.dtype, device=like.device)
+        mask[0, :dim] = scale
+        mask[1, dim:] = scale
+        _SPLIT_MASKS[key] = mask
+    return _SPLIT_MASKS[key]
+
+
+def _member_order(dim: int, like: Tensor) -> Tensor:
+    """The features of a sum row ``q | k | v | n`` that make a member row
+    ``k | q | v``, cached per device."""
+    key = (dim, like.shape[-1], like.device)
+    if key not in _MEMBER_ORDERS:
+        f = like.shape[-1]
+        _MEMBER_ORDERS[key] = torch.cat([torch.arange(dim, 2 * dim), torch.arange(dim),
+                                         torch.arange(2 * dim, f - 1)]).to(like.device)
+    return _MEMBER_ORDERS[key]
+
+
+def spine_sums(left_rows: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
+    r"""The sum rows of every level's open child :math:`S_l` (the new leaf's ancestor
+    at depth :math:`l + 1`), ``[B, L, H, F]``:
+    :math:`\mathrm{sum}(S_l) = \mathrm{leaf} + \sum_{l' > l} \mathrm{left}_{l'}`, one
+    matmul with the strictly upper triangular ones ``upper`` ``[L, L]`` (a sum, not a
+    difference of prefix sums: no cancellation). Levels at or below the leaf get the
+    leaf alone (their ``left`` is 0). ``left_rows``: the left sums ``[B, L, H F]``, ``leaf``
+    ``[B, H, F]``."""
+    b, levels = left_rows.shape[:2]
+    above = torch.matmul(upper, left_rows).view(b, levels, *leaf.shape[1:])
+    return above.add_(leaf[:, None])
+
+
+def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
+                  logaddexp: Callable[[Tensor, Tensor], Tensor]) -> LeftSiblings:
+    r"""What the completed children :math:`C` of each open node contribute to its open
+    child :math:`S` (sum rows ``sums`` ``[B, L, H, F]``, ``dim`` = D), every level in one
+    pass of batched matmuls:
 
     .. math::
         z(S_i, C) = s \langle r_q(S_i), r_k(C)\rangle + \log n(C), \quad
         \eta_i(S) = \mathrm{logsumexp}_C\, z(S_i, C), \quad
         \bar\theta_i(S) = \mathrm{softmax}_C(z(S_i, \cdot))\, r_v,\\
-        \eta_i(C) = \mathrm{logaddexp}\big(F(C),\ s\langle r_q(C), r_k(S_i)\rangle
-            + \log n_i(S)\big), \quad
-        \mathrm{total} = \textstyle\sum_C n(C)\,
-            \mathrm{logaddexp}(\lambda(C), \eta_i(C)),
+        \mathrm{total} = \textstyle\sum_C n(C)\, \mathrm{logaddexp}\big(G(C),\
+            s\langle r_q(C), r_k(S_i)\rangle + \log n_i(S)\big), \quad
+        n_i(A) = n_i(S) + \textstyle\sum_C n(C),
 
-    with :math:`r(S_i)` the means over :math:`S`'s leaves so far and :math:`F(C)` the
-    log-sum over the other completed children.
-
-    Args:
-        members: the completed children, padded: ``rq``, ``rk`` ``[B, W, H, D]``, ``rv``
-            ``[B, W, H, Dv]``, ``size`` ``[B, W]``, ``lam``, ``fixed`` ``[B, W, H]``.
-        valid: ``[B, W]``, which slots hold a completed child.
-        node: the open children :math:`S`.
-        left: the completed children's sums of ``q, k, v`` and their leaf counts ``[B]``.
-        scale: the logit scale :math:`s`.
-
-    Rows without a completed child get :math:`\eta = -\infty`, :math:`\bar\theta = 0`.
+    with :math:`r(S_i)` the means over :math:`S`'s leaves so far and :math:`G` as in
+    :class:`CacheState`; empty slots drop out through :math:`\log n = -\infty` and
+    :math:`n = 0`. Levels without a completed child get :math:`\eta = -\infty`, ``offset``
+    0 and ``weight`` 1 (so :math:`\mu = 1` there) and a finite, unused
+    :math:`\bar\theta`.
     """
-    sq, sk, _ = node.sums
-    count = node.count[:, None, None]
-    row = torch.einsum("bhd,bwhd->bhw", sq / count, members["rk"]) * scale \
-        + members["size"].log()[:, None, :]
-    row = row.masked_fill(~valid[:, None, :], NEG_INF)
-    col = (torch.einsum("bhd,bwhd->bhw", sk / count, members["rq"]) * scale
-           + node.count.log()[:, None, None])
+    count = sums[..., -1]                                               # [B, L, H]
+    views = state.views(dim)
+    # [q | 0] and [0 | k] against [r_k | r_q]: both logits of a level in one matmul
+    pair = sums[..., None, :2 * dim] * _split_mask(dim, scale, sums)    # [B, L, H, 2, 2D]
+    dots = torch.matmul(pair, views.keys_t)                             # [B, L, H, 2, W]
+    factor = count.reciprocal().unsqueeze(-1)                           # sums -> means
+    row = torch.addcmul(views.size_row.log(), dots[..., 0, :], factor)
+    col = torch.addcmul(count.log().unsqueeze(-1), dots[..., 1, :], factor)
     eta = torch.logsumexp(row, -1)
-    # exp(row - eta), with eta = 0 where every slot is empty: zeros, not NaN
-    weights = torch.exp(row - torch.where(eta == NEG_INF, 0.0, eta).unsqueeze(-1))
-    theta_bar = torch.einsum("bhw,bwhd->bhd", weights, members["rv"])
-    term = _logaddexp(members["lam"].transpose(1, 2),
-                      _logaddexp(members["fixed"].transpose(1, 2), col))
-    mask = valid[:, None, :]
-    total = torch.where(mask, members["size"][:, None, :] * term, 0.0).sum(-1)
-    return LeftSiblings(eta=eta, theta_bar=theta_bar, total=total, sums=left[0],
-                        count=left[1])
+    # empty slots at the lowest float weigh exactly 0 next to a real one; a level with
+    # none gets finite weights whose theta_bar top_down multiplies by exactly 0
+    weights = torch.softmax(row.clamp_min(torch.finfo(row.dtype).min), -1)
+    theta_bar = torch.matmul(weights.unsqueeze(-2), views.values).squeeze(-2)
+    total = torch.matmul(logaddexp(state.base, col), views.size_col).squeeze(-1)
+    parent_count = count + views.left_count
+    return LeftSiblings(eta=eta, theta_bar=theta_bar, offset=total / parent_count,
+                        weight=count / parent_count, col=col)
 
 
-def spine_step(node: SpineNode, left: LeftSiblings, has_left: Tensor) -> SpineStep:
-    r"""From the spine children :math:`S` (``node``) to their parents :math:`A`:
+def spine_step(lam: Tensor, eta: Tensor, offset: Tensor, weight: Tensor,
+               logaddexp: Callable[[Tensor, Tensor], Tensor]) -> Tuple[Tensor, Tensor]:
+    r"""One step up the spines, from the open children :math:`S` to their parents
+    :math:`A` (all ``[B, H]``):
 
     .. math::
         \lambda_i(A) = \frac{\mathrm{total} + n_i(S)\,
-            \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))}{n_i(A)}, \qquad
-        \log\mu_i(S) = \lambda_i(S) - \mathrm{logaddexp}(\lambda_i(S), \eta_i(S)),
+            \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))}{n_i(A)}
+        = \mathrm{offset} + \mathrm{weight} \cdot \mathrm{logaddexp}(\lambda_i(S),
+            \eta_i(S)).
 
-    where :math:`n_i(A) = n_i(S) +` the left siblings' count; in rows without left
-    siblings (``has_left`` ``[B]`` false) :math:`A` is :math:`S` (unary nodes are
-    transparent) and :math:`\mu = 1`.
+    A level without completed children (offset 0, weight 1, :math:`\eta = -\infty`)
+    passes :math:`\lambda` through: unary nodes are transparent.
+
+    Returns:
+        :math:`\lambda_i(A)` and :math:`\mathrm{logaddexp}(\lambda_i(S), \eta_i(S))`
+        (for :math:`\log\mu_i(S) = \lambda_i(S) - ` it).
     """
-    total_s = _logaddexp(node.lam, left.eta)       # = lam(S) where eta = -inf
-    count = left.count + node.count
-    lam = (left.total + node.count[:, None] * total_s) / count[:, None]
-    has = has_left[:, None]
-    lam = torch.where(has, lam, node.lam)
-    sums = tuple(torch.where(has[..., None], a + b, b)
-                 for a, b in zip(left.sums, node.sums))
-    parent = SpineNode(sums=sums, count=torch.where(has_left, count, node.count), lam=lam)
-    theta_bar = torch.where(has[..., None], left.theta_bar, 0.0)
-    return SpineStep(parent=parent, log_mu=_log_ratio(node.lam, total_s),
-                     theta_bar=theta_bar)
+    through = logaddexp(lam, eta)
+    return torch.addcmul(offset, weight, through), through
+
+
+def top_down(log_mu: Tensor, theta_bar: Tensor, v: Optional[Tensor]) -> Tensor:
+    r"""The output from the spine, root first: with :math:`m_l = \prod_{l' < l}
+    \mu_{l'}` (``log_mu`` ``[B, L, H]``, ``theta_bar`` ``[B, L, H, Dv]``),
+
+    .. math::
+        y = \sum_l (m_l - m_{l + 1})\, \bar\theta_l \;(+\ m_L\, v_i),
+
+    :math:`m_l - m_{l+1} = m_l (1 - \mu_l)`; ``v`` ``[B, H, Dv]`` is the leaf's own value
+    (``None`` without ``include_self``)."""
+    # log m: inclusive prefix sums behind a 0 (shifted, not subtracted: log mu is
+    # -inf for a leaf that skips itself)
+    run = torch.cumsum(log_mu, 1)
+    m = torch.cat([run.new_zeros(run.shape[0], 1, run.shape[2]), run], 1).exp_()  # [B, L+1, H]
+    share = m[:, :-1] - m[:, 1:]
+    y = (share.unsqueeze(-1) * theta_bar).sum(1)
+    return y if v is None else torch.addcmul(y, m[:, -1].unsqueeze(-1), v)
 
 
 def _placement(name: str, value: Placement, batch: int) -> Tuple[Tensor, Tensor]:
@@ -264,12 +457,30 @@ class BatchedHSACache:
         self.max_depth = max_depth
         #: ``(H, D, Dv, dtype, device)`` of the tokens, fixed by the first ones
         self.token_spec: Optional[tuple] = None
-        self._state: Optional[Dict[str, Tensor]] = None
+        self._state: Optional[CacheState] = None
+        self._upper_ones: Optional[Tensor] = None     # spine_sums' [L, L], per capacity
         # host-side counters: placements are host values, so capacity and validity
         # decisions never wait on the device
         self._count = torch.zeros(batch_size, 1, dtype=torch.long)   # [B, L] completed
         self._depth = torch.zeros(batch_size, dtype=torch.long)      # newest leaf's depth
         self._tokens = torch.zeros(batch_size, dtype=torch.long)
+        # host-side facts of the batch, derived lazily (None: to derive again)
+        self._started: Optional[bool] = None     # every sequence holds a token
+        self._rows: Optional[Tensor] = None      # arange(B)
+
+    def _all_started(self) -> bool:
+        """Whether every sequence holds a token (no first tokens in this step)."""
+        if self._started is None:
+            self._started = bool(self.batch_size) and bool((self._tokens > 0).all())
+        return self._started
+
+    def _all_rows(self) -> Tensor:
+        if self._rows is None or self._rows.shape[0] != self.batch_size:
+            self._rows = torch.arange(self.batch_size)
+        return self._rows
+
+    def _membership_changed(self) -> None:
+        self._started, self._rows = None, None
 
     # ----------------------------------------------------------------- inspection
     @property
@@ -298,7 +509,7 @@ class BatchedHSACache:
         """``(depth levels, children per level)`` the padded state holds now."""
         if self._state is None:
             return (0, 0)
-        return tuple(self._state["rq"].shape[1:3])
+        return self._state.capacity
 
     def state_bytes(self, per_sequence: bool = False) -> int:
         """Bytes of the cache state (device tensors and host counters); with
@@ -307,7 +518,7 @@ class BatchedHSACache:
         total = sum(t.numel() * t.element_size()
                     for t in (self._count, self._depth, self._tokens))
         if self._state is not None:
-            total += sum(t.numel() * t.element_size() for t in self._state.values())
+            total += self._state.nbytes()
         return total // max(1, self.batch_size) if per_sequence else total
 
     @staticmethod
@@ -318,8 +529,8 @@ class BatchedHSACache:
         values, ``dim`` by default), without building it."""
         dim_v = dim if dim_v is None else dim_v
         h = heads
-        wide = width * (h * (2 * dim + dim_v) + 1 + 2 * h)
-        deep = 2 * h * (2 * dim + dim_v) + 2 + h
+        wide = width * (h * (2 * dim + dim_v) + 1 + 2 * h)    # members, size, base, col
+        deep = 2 * h * (2 * dim + dim_v + 1) + h              # left, child, child_base
         item = torch.empty((), dtype=dtype).element_size()
         return depth * (wide + deep) * item + depth * 8 + 16
 
@@ -332,41 +543,9 @@ class BatchedHSACache:
     def _device(self) -> torch.device:
         return self.token_spec[4]
 
-    def _empty_state(self, batch: int, depth: int, width: int) -> Dict[str, Tensor]:
+    def _empty_state(self, batch: int, depth: int, width: int) -> CacheState:
         h, d, dv, dtype, device = self.token_spec
-        dtype = compute_dtype(dtype)
-
-        def zeros(*shape):
-            return torch.zeros(shape, dtype=dtype, device=device)
-        return dict(rq=zeros(batch, depth, width, h, d), rk=zeros(batch, depth, width, h, d),
-                    rv=zeros(batch, depth, width, h, dv), size=zeros(batch, depth, width),
-                    lam=zeros(batch, depth, width, h), fixed=zeros(batch, depth, width, h),
-                    left_q=zeros(batch, depth, h, d), left_k=zeros(batch, depth, h, d),
-                    left_v=zeros(batch, depth, h, dv), left_n=zeros(batch, depth),
-                    child_q=zeros(batch, depth, h, d), child_k=zeros(batch, depth, h, d),
-                    child_v=zeros(batch, depth, h, dv), child_n=zeros(batch, depth),
-                    child_lam=zeros(batch, depth, h))
-
-    @staticmethod
-    def _pad_state(state: Dict[str, Tensor], depth: int, width: int) -> Dict[str, Tensor]:
-        out = {}
-        for name, t in state.items():
-            pad_w = width - t.shape[2] if name in _WIDE else 0
-            pad_l = depth - t.shape[1]
-            if pad_w == 0 and pad_l == 0:
-                out[name] = t
-                continue
-            shape = list(t.shape)
-            shape[1] = depth
-            if name in _WIDE:
-                shape[2] = width
-            new = t.new_zeros(shape)
-            if name in _WIDE:
-                new[:, :t.shape[1], :t.shape[2]] = t
-            else:
-                new[:, :t.shape[1]] = t
-            out[name] = new
-        return out
+        return CacheState.empty(batch, depth, width, h, d, dv, compute_dtype(dtype), device)
 
     def _pad_count(self, depth: int) -> None:
         if self._count.shape[1] < depth:
@@ -381,12 +560,14 @@ class BatchedHSACache:
             return
         new_l = max(cur_l, depth)
         new_w = cur_w if width <= cur_w else max(width, 2 * cur_w)
-        self._state = self._pad_state(self._state, new_l, new_w)
+        self._state = self._state.padded(new_l, new_w)
         self._pad_count(new_l)
 
     def _set_spec(self, spec: tuple) -> None:
         """Fix the token spec; a held state must match it (a batch whose sequences hold
         no token yet may change it)."""
+        if self.token_spec == spec and self._state is not None:
+            return
         if self.token_spec is not None and self.token_spec != spec:
             if bool((self._tokens > 0).any()):
                 held = self.token_spec
@@ -398,16 +579,26 @@ class BatchedHSACache:
         self.token_spec = spec
         if self._state is None:
             self._state = self._empty_state(self.batch_size, max(1, self._count.shape[1]), 1)
-            self._pad_count(self._state["rq"].shape[1])
+            self._pad_count(self._state.capacity[0])
 
     def _scale(self) -> float:
         return (1.0 / math.sqrt(self.token_spec[1]) if self.scale is None
                 else float(self.scale))
 
+    def _upper(self, levels: int) -> Tensor:
+        """The strictly upper triangular ones ``[L, L]`` of :func:`spine_sums`."""
+        held = self._upper_ones
+        if held is None or held.shape[0] != levels or held.dtype != self._state.left.dtype:
+            held = torch.ones(levels, levels, dtype=self._state.left.dtype,
+                              device=self._device()).triu_(1)
+            self._upper_ones = held
+        return held
+
     # ----------------------------------------------------------------- sequences
     def add(self, count: int = 1) -> List[int]:
         """Start ``count`` empty sequences (their first :meth:`step` opens their root);
         returns their row indices. The other sequences are not touched."""
+        self._membership_changed()
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         first = self.batch_size
@@ -417,9 +608,7 @@ class BatchedHSACache:
         self._tokens = torch.cat([self._tokens, self._tokens.new_zeros(count)])
         if self._state is not None:
             depth, width = self.capacity
-            empty = self._empty_state(count, depth, width)
-            self._state = {name: torch.cat([t, empty[name]]) for name, t in
-                           self._state.items()}
+            self._state = self._state.cat(self._empty_state(count, depth, width))
         return list(range(first, first + count))
 
     def drop(self, indices: Union[int, Sequence[int], Tensor]) -> None:
@@ -430,6 +619,7 @@ class BatchedHSACache:
             ValueError: an index outside ``0 .. B - 1`` or given twice.
             TypeError: a non-integer index.
         """
+        self._membership_changed()
         b = self.batch_size
         if isinstance(indices, Tensor):
             if indices.dtype == torch.bool or indices.is_floating_point():
@@ -456,12 +646,13 @@ class BatchedHSACache:
         self._tokens = self._tokens[kept]
         if self._state is not None:
             kept = kept.to(self._device())
-            self._state = {name: t.index_select(0, kept) for name, t in self._state.items()}
+            self._state = self._state.select(kept)
 
     def extend(self, other: BatchedHSACache) -> List[int]:
         """Move the sequences of ``other`` (same ``include_self``, ``scale`` and token
         shapes) to the end of this batch; returns their new row indices. ``other`` is
         left empty."""
+        self._membership_changed()
         if not isinstance(other, BatchedHSACache):
             raise TypeError(f"other must be a BatchedHSACache, got {type(other).__name__}")
         if other is self:
@@ -476,17 +667,14 @@ class BatchedHSACache:
             self._set_spec(other.token_spec)
             depth = max(self.capacity[0], other.capacity[0])
             width = max(self.capacity[1], other.capacity[1])
-            self._state = self._pad_state(self._state, depth, width)
-            mine = self._pad_state(other._state, depth, width)
-            self._state = {name: torch.cat([t, mine[name]]) for name, t in
-                           self._state.items()}
+            self._state = self._state.padded(depth, width).cat(
+                other._state.padded(depth, width))
             self._pad_count(depth)
             other._pad_count(depth)
         elif self._state is not None:
             other._pad_count(self._count.shape[1])
             other._state = self._empty_state(other.batch_size, *self.capacity)
-            self._state = {name: torch.cat([t, other._state[name]]) for name, t in
-                           self._state.items()}
+            self._state = self._state.cat(other._state)
         self._pad_count(other._count.shape[1])
         self._count = torch.cat([self._count, other._count])
         self._depth = torch.cat([self._depth, other._depth])
@@ -495,7 +683,8 @@ class BatchedHSACache:
         return list(range(first, self.batch_size))
 
     # ----------------------------------------------------------------- one step
-    def _check_tokens(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def _check_tokens(self, q: Tensor, k: Tensor, v: Tensor,
+                      check_finite: bool) -> Tuple[Tensor, Tensor, Tensor]:
         check_tensors((("q", q), ("k", k), ("v", v)),
                       q.device if isinstance(q, Tensor) else torch.device("cpu"))
         b = self.batch_size
@@ -513,17 +702,56 @@ class BatchedHSACache:
         if 0 in q.shape or v.shape[2] == 0:
             raise ValueError(f"a token needs at least one head and one feature, got q "
                              f"{tuple(q.shape)} and v {tuple(v.shape)}")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            bad = ~torch.isfinite(t).flatten(1).all(1)
-            if bool(bad.any()):
-                raise ValueError(f"{name} holds a NaN or inf in row {_first(bad.cpu())} "
-                                 "(that sequence's new token)")
+        if check_finite:     # opt-in: it waits on the device
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                bad = ~torch.isfinite(t).flatten(1).all(1)
+                if bool(bad.any()):
+                    raise ValueError(f"{name} holds a NaN or inf in row {_first(bad.cpu())} "
+                                     "(that sequence's new token)")
         self._set_spec((q.shape[1], q.shape[2], v.shape[2], q.dtype, q.device))
         dtype = compute_dtype(q.dtype)
+        if dtype == q.dtype:
+            return q, k, v
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
     def _placements(self, attach: Placement, depth: Placement) -> Tuple[Tensor, Tensor]:
-        """Checked per-row ``attach`` (``-1``: a sequence's first token) and ``depth``."""
+        """Checked per-row ``attach`` (``-1``: a sequence's first token) and ``depth``,
+        as host tensors ``[B]``: one vectorised test of every rule, and the detailed
+        message (:meth:`_refuse`) only for a call that breaks one."""
+        b, prev = self.batch_size, self._depth
+        started = self._all_started()
+        if depth is None:               # the previous depth: nothing to refuse
+            new_depth = prev if started else prev.clamp_min(1)
+            bad = None
+        else:
+            if isinstance(depth, int) and not isinstance(depth, bool):
+                new_depth = torch.full((b,), depth, dtype=torch.long)
+            else:
+                depth_v, given = _placement("depth", depth, b)
+                new_depth = torch.where(given, depth_v, prev.clamp_min(1))
+            bad = (new_depth < 1) | (new_depth > self.max_depth)
+        # the deepest attach allowed; -1 for a first token (a sequence without tokens)
+        highest = prev - 1 if depth is None else torch.minimum(prev, new_depth) - 1
+        if attach is None:              # the same family: always allowed
+            attach_v = highest
+        elif started and isinstance(attach, int) and not isinstance(attach, bool):
+            if attach < 0 or attach > int(highest.min()):
+                self._refuse(attach, depth)
+            attach_v = torch.full((b,), attach, dtype=torch.long)
+        else:
+            if isinstance(attach, int) and not isinstance(attach, bool):
+                attach_v = torch.full((b,), attach, dtype=torch.long)
+            else:
+                value, given = _placement("attach", attach, b)
+                attach_v = torch.where(given, value, highest)
+            wrong = (attach_v > highest) | (attach_v < highest.clamp_max(0))
+            bad = wrong if bad is None else bad | wrong
+        if bad is not None and bool(bad.any()):
+            self._refuse(attach, depth)
+        return attach_v, new_depth
+
+    def _refuse(self, attach: Placement, depth: Placement) -> None:
+        """Raise the error for the first broken placement rule (rule order, then row)."""
         b = self.batch_size
         prev = self._depth
         depth_v, depth_given = _placement("depth", depth, b)
@@ -549,18 +777,45 @@ class BatchedHSACache:
                              f"{int(attach_v[r])}")
         highest = torch.minimum(prev, new_depth) - 1
         attach_v = torch.where(fresh, -1, torch.where(attach_given, attach_v, highest))
-        bad = ~fresh & ((attach_v < 0) | (attach_v > highest))
-        if bool(bad.any()):
-            r = _first(bad)
-            raise ValueError(
-                f"attach[{r}] must be a depth in 0..{int(highest[r])} (sequence {r}'s "
-                f"previous leaf is at depth {int(prev[r])}, the new one at depth "
-                f"{int(new_depth[r])}), got {int(attach_v[r])}")
-        return attach_v, new_depth
+        r = _first(~fresh & ((attach_v < 0) | (attach_v > highest)))
+        raise ValueError(
+            f"attach[{r}] must be a depth in 0..{int(highest[r])} (sequence {r}'s "
+            f"previous leaf is at depth {int(prev[r])}, the new one at depth "
+            f"{int(new_depth[r])}), got {int(attach_v[r])}")
+
+    def _plan(self, attach: Placement, depth: Placement) -> StepPlan:
+        """The checked placements, the completing children and the closing levels (host
+        tensors only); grows the state to hold them."""
+        attach_v, new_depth = self._placements(attach, depth)
+        if self._all_started():         # every sequence closes a child
+            rows, level = self._all_rows(), attach_v
+            slots = self._count.gather(1, level[:, None]).squeeze(1)
+        else:
+            rows = (attach_v >= 0).nonzero().squeeze(1)
+            level = attach_v[rows]
+            slots = self._count[rows, level]
+        width = int(slots.max()) + 1 if rows.numel() else 1
+        # the previous depth fits the state already
+        self._ensure(self.capacity[0] if depth is None else int(new_depth.max()), width)
+        # open nodes strictly between attach and the previous leaf close; the levels
+        # at or below the previous leaf are empty already (CacheState's invariant)
+        closed = None
+        if (attach is not None or depth is not None) and bool(
+                (attach_v < self._depth - 1).any()):
+            levels = torch.arange(self._count.shape[1])
+            closed = (levels > attach_v[:, None]) & (levels < self._depth[:, None])
+        return StepPlan(attach=attach_v, depth=new_depth, rows=rows, level=level,
+                        slots=slots, closed=closed)
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, *, attach: Placement = None,
-             depth: Placement = None) -> Tensor:
+             depth: Placement = None, check_finite: bool = False) -> Tensor:
         r"""Add one leaf to every sequence and return their causal HSA outputs.
+
+        Per call: a handful of batched matmuls over all ``[B, L]`` open nodes (see
+        :func:`left_siblings`), a ``B``-wide recursion of ``L`` steps on ``[B, H]``
+        (:func:`spine_step`), and the update of the one level per sequence whose open
+        child completes (:meth:`_push`); no host-device synchronisation unless
+        ``check_finite``.
 
         Args:
             q, k: ``[B, H, D]``; v: ``[B, H, Dv]``: the new token of each sequence.
@@ -572,6 +827,10 @@ class BatchedHSACache:
             depth: per sequence likewise: depth of the new leaf (default: the previous
                 leaf's; 1 for a first token). New internal nodes open at depths
                 ``attach + 1 .. depth - 1``.
+            check_finite: when ``True``, a NaN or inf in a token raises (naming the
+                row) instead of spreading into that sequence's state; off by default,
+                as in :func:`~hsa_graph.ops.causal.causal_hsa`, because the check
+                waits on the device.
 
         Returns:
             ``[B, H, Dv]`` in the tokens' dtype; row ``b`` equals the newest row of
@@ -579,108 +838,83 @@ class BatchedHSACache:
 
         Raises:
             ValueError: shapes that do not fit ``B`` or each other, tokens of another
-                shape, dtype or device than the cache holds, a NaN or inf in a row, or a
-                bad placement (each naming the row).
+                shape, dtype or device than the cache holds, a bad placement (each
+                naming the row), or (``check_finite``) a NaN or inf in a row.
             TypeError: non-tensors, mixed dtypes, non-integer placements.
         """
-        q, k, v = self._check_tokens(q, k, v)
-        attach, new_depth = self._placements(attach, depth)
-        pushing = (attach >= 0).nonzero().squeeze(1)
-        a = attach[pushing]
-        width = int(self._count[pushing, a].max()) + 1 if pushing.numel() else 1
-        self._ensure(int(new_depth.max()), width)
+        q, k, v = self._check_tokens(q, k, v, check_finite)
+        plan = self._plan(attach, depth)
+        # the state is updated in place, so a step is not differentiable (as before):
+        # torch's logaddexp, not the NaN-free backward of ops.hsa
+        logaddexp = torch.logaddexp
         with no_autocast(q.device):
-            if pushing.numel():
-                self._push(pushing, a)
-            self._reset_above(attach)
-            y = self._climb(q, k, v, new_depth)
-        self._depth = new_depth
-        self._tokens = self._tokens + 1
+            if plan.rows.numel():
+                self._push(plan, logaddexp)
+            if plan.closed is not None:
+                self._close(plan.closed)
+            y = self._climb(q, k, v, logaddexp)
+        self._depth = plan.depth
+        self._tokens += 1
+        self._started = True
         return y.to(self.token_spec[3])
 
-    def _push(self, rows: Tensor, attach: Tensor) -> None:
-        """Close the open child at depth ``attach + 1`` of each sequence in ``rows``: it
-        joins the completed children of its parent (``F`` of the old ones gains it)."""
-        st, dev, scale = self._state, self._device(), self._scale()
-        slot = self._count[rows, attach]
-        width = int(slot.max()) + 1
-        r, a, s = rows.to(dev), attach.to(dev), slot.to(dev)
-        n_x = st["child_n"][r, a]                                         # [P]
-        sums = (st["child_q"][r, a], st["child_k"][r, a], st["child_v"][r, a])
-        rq_x, rk_x, rv_x = (t / n_x[:, None, None] for t in sums)
-        lvl_rq, lvl_rk = st["rq"][r, a, :width], st["rk"][r, a, :width]   # [P, W, H, D]
-        lvl_size, lvl_fixed = st["size"][r, a, :width], st["fixed"][r, a, :width]
-        valid = (torch.arange(width, device=dev) < s[:, None])[..., None]   # [P, W, 1]
-        # z(C, X) + log n(X) for the old children C, and z(X, C) + log n(C) for X
-        to_new = torch.einsum("pwhd,phd->pwh", lvl_rq, rk_x) * scale + n_x.log()[:, None, None]
-        fixed = torch.where(valid, _logaddexp(lvl_fixed, to_new), lvl_fixed)
-        from_new = (torch.einsum("phd,pwhd->pwh", rq_x, lvl_rk) * scale
-                    + lvl_size.log()[..., None]).masked_fill(~valid, NEG_INF)
-        st["fixed"][r, a, :width] = fixed
-        st["fixed"][r, a, s] = torch.logsumexp(from_new, 1)
-        for name, value in (("rq", rq_x), ("rk", rk_x), ("rv", rv_x), ("size", n_x),
-                            ("lam", st["child_lam"][r, a])):
-            st[name][r, a, s] = value
-        for name, value in zip(("left_q", "left_k", "left_v", "left_n"), (*sums, n_x)):
-            st[name][r, a] = st[name][r, a] + value
-        self._count[rows, attach] += 1
+    def _push(self, plan: StepPlan, logaddexp: Callable[[Tensor, Tensor], Tensor]) -> None:
+        r"""Close the open child :math:`X` at level ``attach`` of each sequence in
+        ``plan.rows``: it takes slot ``plan.slots`` of its parent's completed children
+        with :math:`G(X) = \mathrm{logaddexp}(\lambda(X), \mathrm{logsumexp}_C\, z(X, C)
+        + \log n(C))`, and every old :math:`G(C)` gains :math:`z(C, X) + \log n(X)`.
+        The newest step computed both for :math:`X` as the open child
+        (``child_base``, ``child_col``): gathers and scatters only."""
+        st, dev, d = self._state, self._device(), self.token_spec[1]
+        b, levels, h, width, _ = st.members.shape
+        node = (plan.rows * levels + plan.level).to(dev)                   # [P] in B * L
+        slot = plan.slots.to(dev)
+        views = st.views(d)
+        child = st.child.view(b * levels, h, -1).index_select(0, node)     # [P, H, F]
+        size_x = child[..., -1:]                                           # [P, H, 1]
+        base = views.flat_base
+        col = st.child_col.view(b * levels, h, width).index_select(0, node)
+        base.index_copy_(0, node, logaddexp(base.index_select(0, node), col))
+        base[node, :, slot] = st.child_base.view(b * levels, h).index_select(0, node)
+        means = child.index_select(-1, _member_order(d, child)) / size_x  # r_k | r_q | r_v
+        views.flat_members[node, :, slot] = means
+        views.flat_size.index_copy_(0, node * width + slot, size_x[:, 0, 0])
+        views.flat_left.index_add_(0, node, child)
+        self._count[plan.rows, plan.level] = plan.slots + 1
 
-    def _reset_above(self, attach: Tensor) -> None:
-        """Close every node below depth ``attach`` (all of them for a first token)."""
-        levels = self._count.shape[1]
-        closed = torch.arange(levels)[None, :] > attach[:, None]          # [B, L]
-        if not bool(closed.any()):
-            return
-        self._count = self._count.masked_fill(closed, 0)
+    def _close(self, closed: Tensor) -> None:
+        """Empty the levels ``closed`` ``[B, L]`` (their open nodes close for good)."""
+        self._count.masked_fill_(closed, 0)
         mask = closed.to(self._device())
-        for name in ("left_q", "left_k", "left_v", "left_n"):
-            t = self._state[name]
-            self._state[name] = t.masked_fill(mask.view(*mask.shape, *[1] * (t.dim() - 2)),
-                                              0.0)
+        self._state.left.masked_fill_(mask[..., None, None], 0.0)
+        self._state.size.masked_fill_(mask[..., None], 0.0)
 
-    def _climb(self, q: Tensor, k: Tensor, v: Tensor, new_depth: Tensor) -> Tensor:
-        """The spine steps of the new leaves, deepest level first, then the top-down sum
-        ``y = sum over the spine of m(above) (1 - mu) theta_bar (+ m(i) v_i)``."""
-        st, dev, scale = self._state, q.device, self._scale()
-        b, h = q.shape[:2]
-        levels = int(new_depth.max())
-        lam = ((q * k).sum(-1) * scale if self.include_self else q.new_full((b, h), NEG_INF))
-        node = SpineNode(sums=(q, k, v), count=q.new_ones(b), lam=lam)
-        depth_d, count_d = new_depth.to(dev), self._count.to(dev)
-        log_mu = q.new_zeros(b, levels, h)
-        theta = q.new_zeros(b, levels, h, v.shape[-1])
-        for level in range(levels - 1, -1, -1):
-            active = depth_d > level                                       # [B]
-            a3 = active[:, None, None]
-            for name, value in zip(("child_q", "child_k", "child_v"), node.sums):
-                st[name][:, level] = torch.where(a3, value, st[name][:, level])
-            st["child_n"][:, level] = torch.where(active, node.count, st["child_n"][:, level])
-            st["child_lam"][:, level] = torch.where(active[:, None], node.lam,
-                                                    st["child_lam"][:, level])
-            width = int(self._count[:, level].max())
-            if width == 0:     # no sequence has completed children here: unary level
-                continue
-            has = (count_d[:, level] > 0) & active
-            valid = torch.arange(width, device=dev) < count_d[:, level, None]
-            members = {name: st[name][:, level, :width] for name in _WIDE}
-            left = ((st["left_q"][:, level], st["left_k"][:, level], st["left_v"][:, level]),
-                    st["left_n"][:, level])
-            step = spine_step(node, left_siblings(members, valid, node, left, scale), has)
-            node = SpineNode(
-                sums=tuple(torch.where(a3, p, c) for p, c in zip(step.parent.sums, node.sums)),
-                count=torch.where(active, step.parent.count, node.count),
-                lam=torch.where(active[:, None], step.parent.lam, node.lam))
-            log_mu[:, level] = torch.where(active[:, None], step.log_mu, 0.0)
-            theta[:, level] = torch.where(a3, step.theta_bar, 0.0)
-        # log m above each level: exclusive prefix sums of log mu from the root down
-        # (shifted, not subtracted: log mu is -inf for a leaf that skips itself)
-        run = torch.cumsum(log_mu, 1)
-        log_m = torch.cat([torch.zeros_like(run[:, :1]), run[:, :-1]], 1)
-        share = log_m.exp() * -torch.expm1(log_mu)                          # [B, L, H]
-        y = (share.unsqueeze(-1) * theta).sum(1)
-        if self.include_self:
-            y = y + run[:, -1].exp().unsqueeze(-1) * v
-        return y
+    def _climb(self, q: Tensor, k: Tensor, v: Tensor,
+               logaddexp: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        r"""The new leaves' spines, every level at once (:func:`spine_sums`,
+        :func:`left_siblings`), the recursion of :math:`\lambda` up them
+        (:func:`spine_step`, deepest level first), then the top-down sum
+        (:func:`top_down`); the open children's rows become the new state."""
+        st, scale = self._state, self._scale()
+        b, levels, h = st.child_base.shape
+        leaf = torch.cat([q, k, v, q.new_ones(b, h, 1)], -1)               # [B, H, F]
+        sums = spine_sums(st.views(q.shape[-1]).left_rows, leaf, self._upper(levels))
+        sib = left_siblings(st, sums, q.shape[-1], scale, logaddexp)
+        lam = (torch.linalg.vecdot(q, k) * scale if self.include_self
+               else q.new_full((b, h), NEG_INF))
+        lams, throughs = [], []
+        for eta, offset, weight in reversed(list(zip(sib.eta.unbind(1), sib.offset.unbind(1),
+                                                     sib.weight.unbind(1)))):
+            lams.append(lam)
+            lam, through = spine_step(lam, eta, offset, weight, logaddexp)
+            throughs.append(through)
+        lam_s = torch.stack(lams[::-1], 1)                                 # [B, L, H]
+        through = torch.stack(throughs[::-1], 1)
+        log_mu = lam_s - through
+        if not self.include_self:   # a leaf that skips itself: -inf - -inf is 0 here
+            log_mu.masked_fill_(through == NEG_INF, 0.0)
+        st.child, st.child_col, st.child_base = sums, sib.col, through
+        return top_down(log_mu, sib.theta_bar, v if self.include_self else None)
 
     # ----------------------------------------------------------------- prefill
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, tree,
@@ -776,28 +1010,12 @@ class BatchedHSACache:
                          _internal_lam(st, stats, size)])                 # [M + 1, H]
         means = [torch.cat([leaf, internal]) for leaf, internal in
                  ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))]      # [M + 1, H, .]
-        node_sums = [m * size[:, None, None] for m in means]
 
         fresh = BatchedHSACache(p, self.include_self, self.scale, self.max_depth)
         fresh.token_spec = spec
         state = fresh._empty_state(p, levels, width)
-        g_seq, g_level = group // levels, group % levels
-        for name, table in (("rq", means[0]), ("rk", means[1]), ("rv", means[2]),
-                            ("size", size), ("lam", lam)):
-            state[name][g_seq, g_level, slot] = table[child]
-        for name, table in zip(("left_q", "left_k", "left_v", "left_n"), (*node_sums, size)):
-            flat = state[name].view(p * levels, *state[name].shape[2:])
-            flat.index_add_(0, group, table[child])
-        # the open child at each level: the spine node one level down
-        below = spine[:, 1:]                                              # [P, levels]
-        open_ = below >= 0
-        safe = below.clamp_min(0)
-        for name, table in zip(("child_q", "child_k", "child_v", "child_n", "child_lam"),
-                               (*node_sums, size, lam)):
-            value = table[safe]
-            mask = open_.view(*open_.shape, *[1] * (value.dim() - 2))
-            state[name] = torch.where(mask, value, 0.0)
-        state["fixed"] = _fixed_of(state, per_group.view(p, levels), x.scale)
+        _fill_prompt_state(state, means, size, lam, child, group, slot, spine,
+                           per_group.view(p, levels), x.scale)
         fresh._state = state
         fresh._count = per_group.view(p, levels).cpu()
         fresh._depth = depth_host.clone()
@@ -808,26 +1026,67 @@ class BatchedHSACache:
         return causal_hsa(q, k, v, tree, include_self=self.include_self, scale=self.scale)
 
 
-def _fixed_of(state: Dict[str, Tensor], count: Tensor, scale: float,
+def _fill_prompt_state(state: CacheState, means: List[Tensor], size: Tensor, lam: Tensor,
+                       child: Tensor, group: Tensor, slot: Tensor, spine: Tensor,
+                       count: Tensor, scale: float) -> None:
+    r"""Write the state that stepping through the prompts would leave into the empty
+    ``state`` (``P`` prompts, ``L`` levels) of :meth:`BatchedHSACache.prefill`.
+
+    Args:
+        means: the per-node means of ``q``, ``k``, ``v`` ``[M + 1, H, .]`` (row ``M``:
+            a padding node of size 1); size: ``[M + 1]``; lam: :math:`\lambda` ``[M + 1,
+            H]``.
+        child, group, slot: the completed children ``[K]``, their ``prompt * L +
+            level`` and their slot.
+        spine: ``[P, L + 1]``, each prompt's spine node per depth (``-1`` past its end).
+        count: ``[P, L]``, completed children per open node; scale: the logit scale.
+    """
+    p, levels, h = state.base.shape[:3]
+    dim = means[0].shape[-1]
+    member_table = torch.cat([means[1], means[0], means[2]], -1)     # [M + 1, H, 2D + Dv]
+    sum_table = torch.cat([*(m * size[:, None, None] for m in means),
+                           size[:, None, None].expand(-1, h, 1)], -1)  # [M + 1, H, F]
+    g_seq, g_level = group // levels, group % levels
+    state.members[g_seq, g_level, :, slot] = member_table[child]
+    state.size[g_seq, g_level, slot] = size[child]
+    lam_slots = torch.zeros_like(state.base)
+    lam_slots[g_seq, g_level, :, slot] = lam[child]
+    state.left.view(p * levels, h, -1).index_add_(0, group, sum_table[child])
+    # the open child at each level: the spine node one level down
+    below = spine[:, 1:]                                              # [P, levels]
+    open_ = below >= 0
+    safe = below.clamp_min(0)
+    state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
+    fixed = _fixed_of(state.members, state.size, count, dim, scale)
+    state.base.copy_(_logaddexp(lam_slots, fixed))     # in place: views of it live on
+    # the open children's terms as a step ending at the last leaf leaves them
+    # (ones where no node is open, only to keep the means finite)
+    sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
+                        dim, scale, _logaddexp)
+    state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
+    state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)
+
+
+def _fixed_of(members: Tensor, size: Tensor, count: Tensor, dim: int, scale: float,
               block: int = 1 << 22) -> Tensor:
     r""":math:`F(C) = \mathrm{logsumexp}_{B \ne C}\, s\langle r_q(C), r_k(B)\rangle
-    + \log n(B)` over the completed children of every open node, ``[P, L, W, H]``,
-    in blocks of rows ``C`` so that the ``[.., W, W, H]`` logits stay bounded."""
-    rq, rk, size = state["rq"], state["rk"], state["size"]
-    p, levels, width, h, _ = rq.shape
-    keys = torch.arange(width, device=rq.device)
-    valid = keys < count.to(rq.device)[..., None]                          # [P, L, W]
-    log_n = size.log().masked_fill(~valid, NEG_INF)
+    + \log n(B)` over the completed children of every open node, ``[P, L, H, W]``
+    (``members`` and ``size`` as in :class:`CacheState`, ``count`` ``[P, L]`` children
+    per node), in blocks of rows ``C`` so that the ``[.., W, W]`` logits stay
+    bounded."""
+    p, levels, h, width, _ = members.shape
+    rk, rq = members[..., :dim], members[..., dim:2 * dim]
+    keys = torch.arange(width, device=members.device)
+    valid = keys < count.to(members.device)[..., None]                     # [P, L, W]
+    log_n = size.log().masked_fill(~valid, NEG_INF)[:, :, None, None, :]
     rows = max(1, block // max(1, p * levels * width * h))
     parts = []
     for lo in range(0, width, rows):
         hi = min(width, lo + rows)
-        z = torch.einsum("plwhd,plkhd->plwkh", rq[:, :, lo:hi], rk) * scale \
-            + log_n[:, :, None, :, None]
+        z = torch.matmul(rq[..., lo:hi, :], rk.transpose(-1, -2)) * scale + log_n
         diagonal = keys[lo:hi, None] == keys[None, :]
-        z = z.masked_fill(diagonal[None, None, :, :, None], NEG_INF)
-        parts.append(torch.logsumexp(z, 3))
-    return torch.cat(parts, 2)
+        parts.append(torch.logsumexp(z.masked_fill(diagonal, NEG_INF), -1))
+    return torch.cat(parts, 3)
 
 
 def parents_of_moves(moves: Sequence[Dict[str, Optional[int]]]) -> List[int]:
@@ -1014,7 +1273,7 @@ class HSACache:
                 f"({q.dtype} on {q.device})")
 
     def append(self, q: Tensor, k: Tensor, v: Tensor, *, attach: Optional[int] = None,
-               depth: Optional[int] = None) -> Tensor:
+               depth: Optional[int] = None, check_finite: bool = False) -> Tensor:
         r"""Add one leaf and return its causal HSA output ``[H, Dv]``.
 
         Args:
@@ -1024,10 +1283,11 @@ class HSACache:
                 parent (the same family).
             depth: depth of the new leaf (default: the previous leaf's; 1 for the first
                 token). New internal nodes open at depths ``attach + 1 .. depth - 1``.
+            check_finite: as in :meth:`BatchedHSACache.step` (off by default).
 
         Raises:
             ValueError: bad shapes, tokens of another shape or dtype than the cache
-                holds, a bad placement, or a NaN or inf in the token.
+                holds, a bad placement, or (``check_finite``) a NaN or inf in the token.
             TypeError: non-tensors or mixed dtypes.
         """
         self._check(q, k, v)
@@ -1053,7 +1313,8 @@ class HSACache:
                 raise ValueError(
                     f"attach must be a depth in 0..{highest} (the previous leaf is at depth "
                     f"{prev}, the new one at depth {depth}), got {attach!r}")
-        y = self.batched.step(q[None], k[None], v[None], attach=[attach], depth=[depth])[0]
+        y = self.batched.step(q[None], k[None], v[None], attach=[attach], depth=[depth],
+                              check_finite=check_finite)[0]
         # the tree so far, for inspection: the new internal nodes, then the leaf
         if prev == 0:
             self.parent.append(-1)

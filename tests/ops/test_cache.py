@@ -305,7 +305,7 @@ def test_batched_bad_input_names_the_row():
     bad = x.clone()
     bad[2, 1, 0] = float("nan")
     with pytest.raises(ValueError, match="row 2"):
-        cache.step(bad, x, x)
+        cache.step(bad, x, x, check_finite=True)     # opt-in, as in causal_hsa
     with pytest.raises(ValueError, match=r"attach\[1\].*no token yet"):
         cache.step(x, x, x, attach=[None, 0, None])
     with pytest.raises(ValueError, match=r"depth\[0\] must be an int >= 1"):
@@ -351,3 +351,65 @@ def test_prefill_bad_input():
     with pytest.raises(ValueError, match="max_depth"):
         BatchedHSACache(max_depth=1).prefill(x, x, x, tree)
     assert cache.batch_size == 0
+
+
+def test_nan_check_is_opt_in_and_a_refused_step_changes_nothing():
+    q, k, v = tokens(6, 2, 21)
+    moves = [random_moves(6, 90 + r, max_depth=3) for r in range(2)]
+    cache = BatchedHSACache(2)
+    step_all(cache, q[:5], k[:5], v[:5], [m[:5] for m in moves])
+    where = dict(attach=[m[5].get("attach") for m in moves],
+                 depth=[m[5].get("depth") for m in moves])
+    for name in ("q", "k", "v"):
+        bad = {"q": q[5], "k": k[5], "v": v[5]}
+        bad[name] = bad[name].clone()
+        bad[name][1, 0, 0] = float("inf")
+        with pytest.raises(ValueError, match=rf"{name} holds a NaN or inf in row 1"):
+            cache.step(bad["q"], bad["k"], bad["v"], check_finite=True, **where)
+    assert cache.num_tokens == [5, 5]
+    y = cache.step(q[5], k[5], v[5], check_finite=True, **where)
+    for r in range(2):
+        ref = reference(q[:, r], k[:, r], v[:, r], moves[r], True)
+        torch.testing.assert_close(y[r], ref[-1], atol=1e-10, rtol=1e-10)
+    single = HSACache()
+    x = torch.randn(2, 4, dtype=DT)
+    with pytest.raises(ValueError, match="row 0"):
+        single.append(x * float("nan"), x, x, check_finite=True)
+    assert single.num_tokens == 0
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten calls (views included) that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(depth: int, batch: int, n: int) -> int:
+    """aten calls of one step once ``n`` tokens per sequence are cached in trees of
+    ``depth`` levels (families of 4; the step continues the newest one)."""
+    cache = BatchedHSACache(batch)
+    x = torch.randn(n + 1, batch, 2, 4, dtype=DT)
+    for i in range(n):
+        closes = next(e for e in range(depth) if i % 4 ** (e + 1) or e == depth - 1)
+        cache.step(x[i], x[i], x[i], depth=depth if i == 0 else None,
+                   attach=None if i == 0 else depth - 1 - closes)
+    counter = _CountOps()
+    with counter:
+        cache.step(x[n], x[n], x[n], attach=depth - 1)
+    return counter.calls
+
+
+def test_step_is_a_fixed_handful_of_ops_not_a_loop_over_levels_or_tokens():
+    # every level's sibling logits are one batched matmul: only the b-wide lambda
+    # recursion (two ops a level) grows with the depth, nothing with B or the tokens
+    shallow = _ops_per_step(depth=3, batch=1, n=64)
+    assert shallow <= 200
+    assert _ops_per_step(depth=3, batch=1, n=256) == shallow
+    assert _ops_per_step(depth=3, batch=6, n=64) <= shallow + 5
+    assert _ops_per_step(depth=6, batch=1, n=64) <= shallow + 3 * 3 + 3
