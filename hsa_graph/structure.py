@@ -606,12 +606,17 @@ class TreeStructure:
         ``log_size = -inf`` and never read their rows back."""
         rest = leaf_values.shape[1:]
         f, b = bucket.num_families, bucket.size
+        # a range that is the whole tensor is not sliced: a slice's backward zero-fills
+        # and copies a full-size gradient
         if bucket.leaf_range is not None:
             lo, hi = bucket.leaf_range
-            return leaf_values[lo:hi].view(f, b, *rest)
+            rows = leaf_values if (lo, hi) == (0, leaf_values.shape[0]) else leaf_values[lo:hi]
+            return rows.view(f, b, *rest)
         if bucket.internal_range is not None:
             lo, hi = bucket.internal_range
-            return internal_values[lo:hi].reshape(f, b, *rest)
+            rows = (internal_values if (lo, hi) == (0, internal_values.shape[0])
+                    else internal_values[lo:hi])
+            return rows.reshape(f, b, *rest)
         if bucket.leaf_block is not None:  # leaves in place, internal members appended
             lo, per_family = bucket.leaf_block
             inner = internal_values.index_select(0, bucket.internal_src)

@@ -111,32 +111,65 @@ class _FamilyAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor]):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        # With create_graph=True this backward is itself differentiated (double
-        # backward), which in-place updates of its intermediates would break; otherwise
-        # they save one [F, H, b, b] buffer each.
-        inplace = not torch.is_grad_enabled()
-        mul = Tensor.mul_ if inplace else Tensor.mul
-        # Contiguous [F, H, b, D] operands: batched matmuls on the strided family views
-        # fall back to one small GEMM per matrix.
-        q, k = q.contiguous(), k.contiguous()
-        logits = mul(torch.matmul(q, k.transpose(-1, -2)), ctx.scale)
-        if bias is not None:
-            logits = logits.add_(bias) if inplace else logits + bias
-        logits = logits.sub_(lse.unsqueeze(-1)) if inplace else logits - lse.unsqueeze(-1)
-        p = logits.exp_() if inplace else logits.exp()                     # [F, H, b, b]
-        dv = None
-        ds = torch.zeros_like(p) if d_lse is None else d_lse.unsqueeze(-1).expand_as(p)
         if d_out is not None:
-            d_out = d_out.contiguous()  # reductions hand back stride-0 gradients
-            if ctx.needs_input_grad[2]:
-                dv = torch.matmul(p.transpose(-1, -2), d_out)
-            dp = torch.matmul(d_out, v.contiguous().transpose(-1, -2))
-            ds = dp - (d_out * out).sum(-1, keepdim=True) + ds
-        ds = mul(p, ds)
-        dq = mul(torch.matmul(ds, k), ctx.scale) if ctx.needs_input_grad[0] else None
-        dk = (mul(torch.matmul(ds.transpose(-1, -2), q), ctx.scale)
-              if ctx.needs_input_grad[1] else None)
-        return dq, dk, dv, None, None
+            d_out = d_out.contiguous() if 0 in d_out.stride() else d_out  # stride-0 sums
+        needs = ctx.needs_input_grad
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Gradients written head by head into tensors with the strides of q, k, v
+            # (token-major [F, b, H, D] rows): nothing is stacked or copied afterwards.
+            grads = [torch.empty_like(t) if need else None
+                     for t, need in zip((q, k, v), needs[:3])]
+            for h in range(q.shape[1]):
+                _family_attention_backward_head(
+                    ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
+                        q, k, v, bias, out, lse, d_out, d_lse)),
+                    into=[None if g is None else g[:, h] for g in grads])
+            return (*grads, None, None)
+        # create_graph (or tracing): out-of-place, so that this backward can itself be
+        # differentiated
+        heads = [_family_attention_backward_head(
+            ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
+                q, k, v, bias, out, lse, d_out, d_lse)))
+            for h in range(q.shape[1])]
+        return (*(None if g[0] is None else torch.stack(g, 2).transpose(1, 2)
+                  for g in zip(*heads)), None, None)
+
+
+def _head(t: Tensor, h: int) -> Tensor:
+    """Head ``h`` of a ``[F, H, b, ...]`` tensor (or of a bias broadcast over heads)."""
+    return t[:, h if t.shape[1] > 1 else 0]
+
+
+def _family_attention_backward_head(
+        scale: float, needs: Tuple[bool, ...], q: Tensor, k: Tensor, v: Tensor,
+        bias: Optional[Tensor], out: Tensor, lse: Tensor, d_out: Optional[Tensor],
+        d_lse: Optional[Tensor], into: Optional[List[Optional[Tensor]]] = None
+) -> Tuple[Optional[Tensor], ...]:
+    r"""The backward of :class:`_FamilyAttention` for one head: ``[F, b, D]`` operands
+    (strided rows of the token-major tensors, which batched matmuls read in place),
+    :math:`P = e^{sqk^\top + \mathrm{bias} - \ell}`,
+    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`; returns
+    ``(dq, dk, dv)`` ``[F, b, D]`` (``None`` where not needed), written into ``into``
+    when given (then every intermediate is updated in place: no autograd records it)."""
+    inplace = into is not None
+    mul = Tensor.mul_ if inplace else Tensor.mul
+    into = into if inplace else [None, None, None]
+    logits = mul(torch.bmm(q, k.transpose(1, 2)), scale)
+    if bias is not None:
+        logits = logits.add_(bias) if inplace else logits + bias
+    logits = logits.sub_(lse.unsqueeze(-1)) if inplace else logits - lse.unsqueeze(-1)
+    p = logits.exp_() if inplace else logits.exp()                         # [F, b, b]
+    dv = None
+    ds = torch.zeros_like(p) if d_lse is None else d_lse.unsqueeze(-1).expand_as(p)
+    if d_out is not None:
+        if needs[2]:
+            dv = torch.bmm(p.transpose(1, 2), d_out, out=into[2])
+        dp = torch.bmm(d_out, v.transpose(1, 2))
+        ds = dp - (d_out * out).sum(-1, keepdim=True) + ds
+    ds = mul(p, ds)
+    dq = mul(torch.bmm(ds, k, out=into[0]), scale) if needs[0] else None
+    dk = mul(torch.bmm(ds.transpose(1, 2), q, out=into[1]), scale) if needs[1] else None
+    return dq, dk, dv
 
 
 def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
