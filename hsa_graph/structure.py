@@ -502,7 +502,7 @@ class TreeStructure:
             # trailing dims flattened: the reduction then runs over long contiguous rows
             families = leaf_values.reshape(whole.num_families, whole.size, -1)
             rows = whole.parent_range
-            if rows is not None and out.is_contiguous() and not records_grad(leaf_values):
+            if rows is not None and out.is_contiguous() and not records_grad(leaf_values, out):
                 torch.sum(families, 1, out=out[rows[0]:rows[1]].view(whole.num_families, -1))
                 return out
             sums = families.sum(1).view(-1, *leaf_values.shape[1:])
@@ -567,16 +567,23 @@ class TreeStructure:
         return self.subtree_mean_of_sums(self.subtree_sum(leaf_values))
 
     def subtree_means(self, *leaf_values: Tensor) -> tuple:
-        """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (e.g. ``q, k, v``), each
-        into a contiguous ``[I + 1, H, *]`` buffer of its own, in place where autograd
-        records nothing."""
+        """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (e.g. ``q, k, v``) in one
+        bottom-up pass (each tensor's means contiguous where autograd records nothing,
+        computed in place then)."""
         inplace = not records_grad(*leaf_values)
-        means = []
-        for t in leaf_values:  # contiguous per tensor: the families' gathers are views
-            sums = self.to_internal(t)
-            means.append(self.subtree_mean_of_sums(self.bottom_up(sums, inplace=inplace),
-                                                   inplace=True))
-        return tuple(means)
+        if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D: one pass each
+            return tuple(self.subtree_mean_of_sums(
+                self.bottom_up(self.to_internal(t), inplace=inplace), inplace=True)
+                for t in leaf_values)
+        # one buffer [T, I + 1, ...]: each tensor's means contiguous (the families'
+        # gathers are views), and one bottom-up pass over its [I + 1, T, ...] view
+        first = leaf_values[0]
+        sums = first.new_zeros((len(leaf_values), self.num_internal + 1, *first.shape[1:]))
+        for j, t in enumerate(leaf_values):
+            self.to_internal(t, out=sums[j])
+        means = self.subtree_mean_of_sums(
+            self.bottom_up(sums.movedim(0, 1), inplace=inplace), inplace=True)
+        return tuple(means.select(1, j) for j in range(len(leaf_values)))
 
     def subtree_mean_of_sums(self, sums: Tensor, inplace: bool = False) -> Tensor:
         """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)`` (into

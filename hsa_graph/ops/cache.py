@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..structure import TreeStructure
 from .hsa import _logaddexp, hsa_statistics
 from .inputs import (
     check_scale,
@@ -947,7 +948,7 @@ class BatchedHSACache:
                 check), a leaf that is a root, a last leaf deeper than ``max_depth``, or
                 tokens of another shape than the cache holds.
         """
-        from .causal import _internal_lam, _leaf_lam, causal_hsa
+        from .causal import _causal_hsa, _internal_lam, _leaf_lam
 
         x = prepare_attention(q, k, v, tree, include_self=self.include_self,
                               scale=self.scale, check_finite=True)
@@ -958,49 +959,14 @@ class BatchedHSACache:
         if x.single_head:
             raise ValueError(f"q must have shape [N, H, D], got {tuple(q.shape)}")
         dt = x.dtype
-        n, nodes, p = st.num_leaves, st.num_nodes, st.num_trees
-        leaf_depth = st.depth[:n]
+        leaf_depth = st.depth[:st.num_leaves]
         if bool((leaf_depth == 0).any()):
             raise ValueError(f"prefill needs every leaf below a root, but leaf row "
                              f"{_first((leaf_depth == 0).cpu())} is a tree of its own")
         spec = (x.q.shape[1], x.q.shape[2], x.v.shape[2], q.dtype, q.device)
-        # the spine of each prompt: the ancestors of its last leaf
-        rows = torch.arange(n, device=x.device)
-        last = torch.full((p,), -1, dtype=torch.long, device=x.device).scatter_reduce(
-            0, st.leaf_tree, rows, "amax")
-        depth = leaf_depth[last]                                          # [P]
-        depth_host = depth.cpu()
-        too_deep = depth_host > self.max_depth
-        if bool(too_deep.any()):
-            t = _first(too_deep)
-            raise ValueError(f"prompt {t} ends at depth {int(depth_host[t])}, beyond "
-                             f"max_depth={self.max_depth} of this cache")
-        levels = int(depth_host.max())
-        parent_u = st.parent_unified()
-        spine = torch.full((p, levels + 1), -1, dtype=torch.long, device=x.device)
-        tree_of = torch.arange(p, device=x.device)
-        current = last
-        for _ in range(levels + 1):                    # one hop per depth level
-            alive = current >= 0
-            safe = current.clamp_min(0)
-            spine[tree_of[alive], st.depth[safe[alive]]] = current[alive]
-            current = torch.where(alive, parent_u[safe], current)
-        on_spine = torch.zeros(nodes + 1, dtype=torch.bool, device=x.device)
-        on_spine[spine.flatten()] = True
-        on_spine[-1] = False                           # the -1 padding entries
-        # the completed children: off the spine, below a spine node; in leaf order
-        par = parent_u
-        done = (~on_spine[:nodes]) & (par >= 0) & on_spine[par.clamp_min(0)]
-        child = done.nonzero().squeeze(1)
-        first_leaf = st.leaf_ranges[0]
-        seq = st.leaf_tree[first_leaf[child]]
-        level = st.depth[par[child]]
-        group = seq * levels + level
-        order = torch.argsort(group * (n + 1) + first_leaf[child])
-        child, group = child[order], group[order]
-        per_group = torch.bincount(group, minlength=p * levels)
-        start = torch.cumsum(per_group, 0) - per_group
-        slot = torch.arange(child.numel(), device=x.device) - start[group]
+        depth_host, spine = _prompt_spines(st, self.max_depth)
+        p, levels = spine.shape[0], spine.shape[1] - 1
+        child, group, slot, per_group = _completed_children(st, spine)
         width = max(1, int(per_group.max()) if child.numel() else 1)
 
         stats = hsa_statistics(st, x.q, x.k, self.include_self, x.scale, None, v=x.v,
@@ -1023,7 +989,60 @@ class BatchedHSACache:
         self.extend(fresh)
         if not return_outputs:
             return None
-        return causal_hsa(q, k, v, tree, include_self=self.include_self, scale=self.scale)
+        with no_autocast(x.device):  # the statistics above serve the outputs too
+            y = _causal_hsa(st, st.causal_plan, x.q, x.k, x.v, self.include_self, x.scale,
+                            None, stats=stats)
+        return x.finish(y)
+
+
+def _prompt_spines(st: TreeStructure, max_depth: int) -> Tuple[Tensor, Tensor]:
+    """The spine of each prompt tree (the ancestors of its last leaf): the last leaf's
+    depth per tree (host) ``[P]`` and the spine's unified nodes by depth
+    ``[P, levels + 1]`` (``-1`` below a shorter spine); one hop per depth level."""
+    n, p = st.num_leaves, st.num_trees
+    rows = torch.arange(n, device=st.device)
+    last = torch.full((p,), -1, dtype=torch.long, device=st.device).scatter_reduce(
+        0, st.leaf_tree, rows, "amax")
+    depth_host = st.depth[last].cpu()
+    too_deep = depth_host > max_depth
+    if bool(too_deep.any()):
+        t = _first(too_deep)
+        raise ValueError(f"prompt {t} ends at depth {int(depth_host[t])}, beyond "
+                         f"max_depth={max_depth} of this cache")
+    levels = int(depth_host.max())
+    parent_u = st.parent_unified()
+    spine = torch.full((p, levels + 1), -1, dtype=torch.long, device=st.device)
+    tree_of = torch.arange(p, device=st.device)
+    current = last
+    for _ in range(levels + 1):
+        alive = current >= 0
+        safe = current.clamp_min(0)
+        spine[tree_of[alive], st.depth[safe[alive]]] = current[alive]
+        current = torch.where(alive, parent_u[safe], current)
+    return depth_host, spine
+
+
+def _completed_children(st: TreeStructure, spine: Tensor
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The completed children of every spine node (off the spine, below it), in leaf
+    order: their unified ids, group ``tree * levels + parent depth``, slot in the
+    group, and the group sizes ``[P * levels]``."""
+    p, levels = spine.shape[0], spine.shape[1] - 1
+    n, nodes = st.num_leaves, st.num_nodes
+    on_spine = torch.zeros(nodes + 1, dtype=torch.bool, device=st.device)
+    on_spine[spine.flatten()] = True
+    on_spine[-1] = False                           # the -1 padding entries
+    par = st.parent_unified()
+    done = (~on_spine[:nodes]) & (par >= 0) & on_spine[par.clamp_min(0)]
+    child = done.nonzero().squeeze(1)
+    first_leaf = st.leaf_ranges[0]
+    group = st.leaf_tree[first_leaf[child]] * levels + st.depth[par[child]]
+    order = torch.argsort(group * (n + 1) + first_leaf[child])
+    child, group = child[order], group[order]
+    per_group = torch.bincount(group, minlength=p * levels)
+    start = torch.cumsum(per_group, 0) - per_group
+    slot = torch.arange(child.numel(), device=st.device) - start[group]
+    return child, group, slot, per_group
 
 
 def _fill_prompt_state(state: CacheState, means: List[Tensor], size: Tensor, lam: Tensor,

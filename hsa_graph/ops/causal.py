@@ -67,7 +67,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import CausalTiles, TreeStructure
-from .hsa import _log_ratio, _logaddexp, hsa_statistics
+from .hsa import HSAStatistics, _log_ratio, _logaddexp, hsa_statistics
 from .inputs import no_autocast, prepare_attention
 
 __all__ = ["causal_hsa"]
@@ -478,8 +478,12 @@ def _rows_of(level, parts: List[Tensor], old: Optional[Tensor]) -> Tensor:
 
 
 def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
-                include_self: bool, scale: float, pos: Optional[Tensor]) -> Tensor:
-    stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
+                include_self: bool, scale: float, pos: Optional[Tensor],
+                stats: Optional[HSAStatistics] = None) -> Tensor:
+    """Causal HSA on prepared ``[N, H, D]`` inputs; ``stats``: the bottom-up pass of the
+    same inputs when the caller has it already (the cache's prefill)."""
+    if stats is None:
+        stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
     nodes = _node_tables(st, stats, q, k, v, include_self, scale, pos)
     n = st.num_leaves
     (leaf_q, leaf_k, leaf_v), lam = nodes.leaf, nodes.lam[:, :n]
