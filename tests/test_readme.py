@@ -42,6 +42,8 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
     # what the comments promise
     assert tuple(namespace["y"].shape) == (6, 4, 8)                    # cross_hsa
     assert tuple(namespace["y_induced"].shape) == (12, 16)             # induced tree
+    assert tuple(namespace["y_prompt"].shape) == (10, 4, 8)            # batched prefill
+    assert tuple(namespace["y_next"].shape) == (2, 4, 8)               # one batched step
     assert namespace["seq"].num_leaves == namespace["bag"].num_leaves == 12
     assert namespace["cache"].num_tokens == 2                         # two cached tokens
     assert namespace["text"].tokens[:4] == ["It", "rained", ".", "We"]
