@@ -46,6 +46,8 @@ from .inputs import (
     check_scale,
     check_tensors,
     compute_dtype,
+    first_true,
+    kept_rows,
     no_autocast,
     prepare_attention,
     resolve_structure,
@@ -401,8 +403,6 @@ def _placement(name: str, value: Placement, batch: int) -> Tuple[Tensor, Tensor]
     return values, given
 
 
-def _first(mask: Tensor) -> int:
-    return int(mask.nonzero()[0, 0])
 
 
 class BatchedHSACache:
@@ -622,27 +622,7 @@ class BatchedHSACache:
         """
         self._membership_changed()
         b = self.batch_size
-        if isinstance(indices, Tensor):
-            if indices.dtype == torch.bool or indices.is_floating_point():
-                raise TypeError(f"indices must be integers, got a {indices.dtype} tensor")
-            rows = indices.to("cpu", torch.long).flatten()
-        else:
-            if isinstance(indices, int) and not isinstance(indices, bool):
-                indices = [indices]
-            if not isinstance(indices, (list, tuple)) or any(
-                    isinstance(i, bool) or not isinstance(i, int) for i in indices):
-                raise TypeError(f"indices must be an int, a sequence of ints or an integer "
-                                f"tensor, got {indices!r}")
-            rows = torch.tensor(list(indices), dtype=torch.long)
-        bad = (rows < 0) | (rows >= b)
-        if bool(bad.any()):
-            raise ValueError(f"drop index {int(rows[_first(bad)])} is outside 0..{b - 1} "
-                             f"(B = {b})")
-        if rows.unique().numel() != rows.numel():
-            raise ValueError(f"drop indices must be distinct, got {rows.tolist()}")
-        keep = torch.ones(b, dtype=torch.bool)
-        keep[rows] = False
-        kept = keep.nonzero().squeeze(1)
+        kept = kept_rows(indices, b)
         self._count, self._depth = self._count[kept], self._depth[kept]
         self._tokens = self._tokens[kept]
         if self._state is not None:
@@ -707,7 +687,7 @@ class BatchedHSACache:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 bad = ~torch.isfinite(t).flatten(1).all(1)
                 if bool(bad.any()):
-                    raise ValueError(f"{name} holds a NaN or inf in row {_first(bad.cpu())} "
+                    raise ValueError(f"{name} holds a NaN or inf in row {first_true(bad.cpu())} "
                                      "(that sequence's new token)")
         self._set_spec((q.shape[1], q.shape[2], v.shape[2], q.dtype, q.device))
         dtype = compute_dtype(q.dtype)
@@ -758,13 +738,13 @@ class BatchedHSACache:
         depth_v, depth_given = _placement("depth", depth, b)
         bad = depth_given & (depth_v < 1)
         if bool(bad.any()):
-            r = _first(bad)
+            r = first_true(bad)
             raise ValueError(f"depth[{r}] must be an int >= 1 (leaves hang below a root), "
                              f"got {int(depth_v[r])}")
         new_depth = torch.where(depth_given, depth_v, prev.clamp_min(1))
         bad = new_depth > self.max_depth
         if bool(bad.any()):
-            r = _first(bad)
+            r = first_true(bad)
             raise ValueError(f"depth[{r}] = {int(new_depth[r])} exceeds max_depth="
                              f"{self.max_depth} of this cache (pass max_depth=... for "
                              "deeper trees)")
@@ -772,13 +752,13 @@ class BatchedHSACache:
         fresh = prev == 0
         bad = fresh & attach_given & (attach_v != -1)
         if bool(bad.any()):
-            r = _first(bad)
+            r = first_true(bad)
             raise ValueError(f"attach[{r}]: sequence {r} has no token yet, so its first "
                              f"token opens the root: attach must be None, got "
                              f"{int(attach_v[r])}")
         highest = torch.minimum(prev, new_depth) - 1
         attach_v = torch.where(fresh, -1, torch.where(attach_given, attach_v, highest))
-        r = _first(~fresh & ((attach_v < 0) | (attach_v > highest)))
+        r = first_true(~fresh & ((attach_v < 0) | (attach_v > highest)))
         raise ValueError(
             f"attach[{r}] must be a depth in 0..{int(highest[r])} (sequence {r}'s "
             f"previous leaf is at depth {int(prev[r])}, the new one at depth "
@@ -962,7 +942,7 @@ class BatchedHSACache:
         leaf_depth = st.depth[:st.num_leaves]
         if bool((leaf_depth == 0).any()):
             raise ValueError(f"prefill needs every leaf below a root, but leaf row "
-                             f"{_first((leaf_depth == 0).cpu())} is a tree of its own")
+                             f"{first_true((leaf_depth == 0).cpu())} is a tree of its own")
         spec = (x.q.shape[1], x.q.shape[2], x.v.shape[2], q.dtype, q.device)
         depth_host, spine = _prompt_spines(st, self.max_depth)
         p, levels = spine.shape[0], spine.shape[1] - 1
@@ -1006,7 +986,7 @@ def _prompt_spines(st: TreeStructure, max_depth: int) -> Tuple[Tensor, Tensor]:
     depth_host = st.depth[last].cpu()
     too_deep = depth_host > max_depth
     if bool(too_deep.any()):
-        t = _first(too_deep)
+        t = first_true(too_deep)
         raise ValueError(f"prompt {t} ends at depth {int(depth_host[t])}, beyond "
                          f"max_depth={max_depth} of this cache")
     levels = int(depth_host.max())
@@ -1138,7 +1118,7 @@ def parents_of_moves(moves: Sequence[Dict[str, Optional[int]]]) -> List[int]:
     rows = torch.arange(n)
     bad = d_given & (depth < 1)
     if bool(bad.any()):
-        r = _first(bad)
+        r = first_true(bad)
         raise ValueError(f"moves[{r}]: depth must be an int >= 1, got {int(depth[r])}")
     if bool(a_given[0]) and int(attach[0]) != -1:
         raise ValueError(f"moves[0]: the first token opens the root: attach must be None, "
@@ -1152,7 +1132,7 @@ def parents_of_moves(moves: Sequence[Dict[str, Optional[int]]]) -> List[int]:
     attach[0] = -1
     bad = (rows > 0) & ((attach < 0) | (attach > highest))
     if bool(bad.any()):
-        r = _first(bad)
+        r = first_true(bad)
         raise ValueError(f"moves[{r}]: attach must be a depth in 0..{int(highest[r])} (the "
                          f"previous leaf is at depth {int(prev[r])}, the new one at depth "
                          f"{int(depth[r])}), got {int(attach[r])}")

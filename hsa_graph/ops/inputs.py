@@ -266,3 +266,39 @@ def prepare_attention(q: Tensor, k: Tensor, v: Optional[Tensor], tree, *,
         pos=None if pos is None else ready(pos), scale=scale,
         include_self=bool(include_self), dtype=dtype, out_dtype=out_dtype,
         single_head=two_dim, empty=empty)
+
+
+def first_true(mask: Tensor) -> int:
+    """Index of the first ``True`` of a 1-D mask (one host sync; for error messages)."""
+    return int(mask.nonzero()[0, 0])
+
+
+def kept_rows(indices, batch_size: int) -> Tensor:
+    """The rows ``0 .. batch_size - 1`` a cache keeps when ``indices`` are dropped
+    (``[kept]`` long, on the CPU).
+
+    Raises:
+        TypeError: an index that is not an integer (or an integer tensor).
+        ValueError: an index outside ``0 .. batch_size - 1`` or given twice.
+    """
+    if isinstance(indices, Tensor):
+        if indices.dtype == torch.bool or indices.is_floating_point():
+            raise TypeError(f"indices must be integers, got a {indices.dtype} tensor")
+        rows = indices.to("cpu", torch.long).flatten()
+    else:
+        if isinstance(indices, int) and not isinstance(indices, bool):
+            indices = [indices]
+        if not isinstance(indices, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) for i in indices):
+            raise TypeError(f"indices must be an int, a sequence of ints or an integer "
+                            f"tensor, got {indices!r}")
+        rows = torch.tensor(list(indices), dtype=torch.long)
+    bad = (rows < 0) | (rows >= batch_size)
+    if bool(bad.any()):
+        raise ValueError(f"drop index {int(rows[first_true(bad)])} is outside "
+                         f"0..{batch_size - 1} (B = {batch_size})")
+    if rows.unique().numel() != rows.numel():
+        raise ValueError(f"drop indices must be distinct, got {rows.tolist()}")
+    keep = torch.ones(batch_size, dtype=torch.bool)
+    keep[rows] = False
+    return keep.nonzero().squeeze(1)

@@ -23,16 +23,12 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from .inputs import check_scale, check_tensors, compute_dtype, no_autocast
+from .inputs import check_scale, check_tensors, compute_dtype, first_true, kept_rows, no_autocast
 
 __all__ = ["KVCache"]
 
 #: The smallest token capacity a growing buffer allocates.
 _MIN_CAPACITY = 16
-
-
-def _first(mask: Tensor) -> int:
-    return int(mask.nonzero()[0, 0])
 
 
 def _lengths_of(lengths, batch: int, longest: int) -> Tensor:
@@ -55,7 +51,7 @@ def _lengths_of(lengths, batch: int, longest: int) -> Tensor:
                          f"{tuple(values.shape)}")
     bad = (values < 0) | (values > longest)
     if bool(bad.any()):
-        r = _first(bad)
+        r = first_true(bad)
         raise ValueError(f"lengths[{r}] = {int(values[r])} is outside 0..{longest} (the "
                          "prompts' padded length)")
     return values
@@ -224,27 +220,7 @@ class KVCache:
             TypeError: a non-integer index.
         """
         b = self.batch_size
-        if isinstance(indices, Tensor):
-            if indices.dtype == torch.bool or indices.is_floating_point():
-                raise TypeError(f"indices must be integers, got a {indices.dtype} tensor")
-            rows = indices.to("cpu", torch.long).flatten()
-        else:
-            if isinstance(indices, int) and not isinstance(indices, bool):
-                indices = [indices]
-            if not isinstance(indices, (list, tuple)) or any(
-                    isinstance(i, bool) or not isinstance(i, int) for i in indices):
-                raise TypeError(f"indices must be an int, a sequence of ints or an integer "
-                                f"tensor, got {indices!r}")
-            rows = torch.tensor(list(indices), dtype=torch.long)
-        bad = (rows < 0) | (rows >= b)
-        if bool(bad.any()):
-            raise ValueError(f"drop index {int(rows[_first(bad)])} is outside 0..{b - 1} "
-                             f"(B = {b})")
-        if rows.unique().numel() != rows.numel():
-            raise ValueError(f"drop indices must be distinct, got {rows.tolist()}")
-        keep = torch.ones(b, dtype=torch.bool)
-        keep[rows] = False
-        kept = keep.nonzero().squeeze(1)
+        kept = kept_rows(indices, b)
         self._lengths = self._lengths[kept]
         if self._keys is not None:
             kept = kept.to(self._keys.device)
@@ -274,7 +250,7 @@ class KVCache:
         for name, t in (("q", q), ("k", k), ("v", v)):
             bad = ~torch.isfinite(t).flatten(1).all(1)
             if bool(bad.any()):
-                raise ValueError(f"{name} holds a NaN or inf in row {_first(bad.cpu())} "
+                raise ValueError(f"{name} holds a NaN or inf in row {first_true(bad.cpu())} "
                                  "(that sequence's new token)")
         self._set_spec((q.shape[1], q.shape[2], v.shape[2], q.dtype, q.device))
         dtype = compute_dtype(q.dtype)
@@ -445,7 +421,7 @@ class KVCache:
             raise ValueError("prefill_rows needs at least one prompt")
         sizes = _lengths_of(lengths, count, 1 << 62)   # bounded by the sum check below
         if bool((sizes == 0).any()):
-            raise ValueError(f"prompt {_first(sizes == 0)} is empty")
+            raise ValueError(f"prompt {first_true(sizes == 0)} is empty")
         n = q.shape[0]
         if int(sizes.sum()) != n or k.shape[0] != n or v.shape[0] != n:
             raise ValueError(f"the prompts' lengths add up to {int(sizes.sum())} rows, but "
