@@ -44,7 +44,7 @@ from ..structure import TreeStructure
 from .hsa import _logaddexp, hsa_statistics
 from .inputs import (
     check_scale,
-    check_tensors,
+    check_step_tokens,
     compute_dtype,
     first_true,
     kept_rows,
@@ -666,29 +666,7 @@ class BatchedHSACache:
     # ----------------------------------------------------------------- one step
     def _check_tokens(self, q: Tensor, k: Tensor, v: Tensor,
                       check_finite: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        check_tensors((("q", q), ("k", k), ("v", v)),
-                      q.device if isinstance(q, Tensor) else torch.device("cpu"))
-        b = self.batch_size
-        if b == 0:
-            raise ValueError("the cache holds no sequences: add() or prefill() them first")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 3 or t.shape[0] != b:
-                raise ValueError(f"{name} must have shape [B, H, D] with B = {b} sequences "
-                                 f"(one token each), got {tuple(t.shape)}")
-        if q.shape != k.shape:
-            raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
-                             f"{tuple(k.shape)}")
-        if v.shape[1] != q.shape[1]:
-            raise ValueError(f"v has {v.shape[1]} heads but q has {q.shape[1]}")
-        if 0 in q.shape or v.shape[2] == 0:
-            raise ValueError(f"a token needs at least one head and one feature, got q "
-                             f"{tuple(q.shape)} and v {tuple(v.shape)}")
-        if check_finite:     # opt-in: it waits on the device
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                bad = ~torch.isfinite(t).flatten(1).all(1)
-                if bool(bad.any()):
-                    raise ValueError(f"{name} holds a NaN or inf in row {first_true(bad.cpu())} "
-                                     "(that sequence's new token)")
+        check_step_tokens(q, k, v, self.batch_size, check_finite)
         self._set_spec((q.shape[1], q.shape[2], v.shape[2], q.dtype, q.device))
         dtype = compute_dtype(q.dtype)
         if dtype == q.dtype:
@@ -1247,20 +1225,7 @@ class HSACache:
                                          for a, d in zip(attach, depth[1:])]
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        check_tensors((("q", q), ("k", k), ("v", v)),
-                      q.device if isinstance(q, Tensor) else torch.device("cpu"))
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 2:
-                raise ValueError(f"{name} must have shape [H, D] (one token), got "
-                                 f"{tuple(t.shape)}")
-        if q.shape != k.shape:
-            raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
-                             f"{tuple(k.shape)}")
-        if v.shape[0] != q.shape[0]:
-            raise ValueError(f"v has {v.shape[0]} heads but q has {q.shape[0]}")
-        if 0 in q.shape or v.shape[1] == 0:
-            raise ValueError(f"a token needs at least one head and one feature, got q "
-                             f"{tuple(q.shape)} and v {tuple(v.shape)}")
+        check_step_tokens(q, k, v, None, check_finite=False)
         spec = (tuple(q.shape), tuple(v.shape), q.dtype, q.device)
         if self.token_spec is None or not self._nodes:
             self.token_spec = spec

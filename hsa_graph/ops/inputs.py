@@ -302,3 +302,42 @@ def kept_rows(indices, batch_size: int) -> Tensor:
     keep = torch.ones(batch_size, dtype=torch.bool)
     keep[rows] = False
     return keep.nonzero().squeeze(1)
+
+
+def check_step_tokens(q: Tensor, k: Tensor, v: Tensor, batch_size: Optional[int],
+                      check_finite: bool) -> None:
+    """The checks of one generation step's tokens, shared by the caches: ``[B, H, D]``
+    with ``B = batch_size`` (``None``: one token ``[H, D]``), ``q`` and ``k`` of one
+    shape, ``v`` with as many heads, no empty head or feature axis, and with
+    ``check_finite`` no NaN or inf (a host sync, so opt-in).
+
+    Raises:
+        TypeError: not tensors (as :func:`check_tensors`).
+        ValueError: any of the above, naming the tensor (and the row).
+    """
+    check_tensors((("q", q), ("k", k), ("v", v)),
+                  q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    if batch_size == 0:
+        raise ValueError("the cache holds no sequences: add() or prefill() them first")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if batch_size is None and t.dim() != 2:
+            raise ValueError(f"{name} must have shape [H, D] (one token), got "
+                             f"{tuple(t.shape)}")
+        if batch_size is not None and (t.dim() != 3 or t.shape[0] != batch_size):
+            raise ValueError(f"{name} must have shape [B, H, D] with B = {batch_size} "
+                             f"sequences (one token each), got {tuple(t.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    if v.shape[-2] != q.shape[-2]:
+        raise ValueError(f"v has {v.shape[-2]} heads but q has {q.shape[-2]}")
+    if 0 in q.shape or v.shape[-1] == 0:
+        raise ValueError(f"a token needs at least one head and one feature, got q "
+                         f"{tuple(q.shape)} and v {tuple(v.shape)}")
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            bad = ~torch.isfinite(t.reshape(t.shape[0] if batch_size else 1, -1)).all(1)
+            if bool(bad.any()):
+                where = ("(the new token)" if batch_size is None else
+                         f"in row {first_true(bad.cpu())} (that sequence's new token)")
+                raise ValueError(f"{name} holds a NaN or inf {where}")

@@ -23,7 +23,15 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from .inputs import check_scale, check_tensors, compute_dtype, first_true, kept_rows, no_autocast
+from .inputs import (
+    check_scale,
+    check_step_tokens,
+    check_tensors,
+    compute_dtype,
+    first_true,
+    kept_rows,
+    no_autocast,
+)
 
 __all__ = ["KVCache"]
 
@@ -230,28 +238,7 @@ class KVCache:
 
     # ----------------------------------------------------------------- one step
     def _check_tokens(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        check_tensors((("q", q), ("k", k), ("v", v)),
-                      q.device if isinstance(q, Tensor) else torch.device("cpu"))
-        b = self.batch_size
-        if b == 0:
-            raise ValueError("the cache holds no sequences: add() or prefill() them first")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 3 or t.shape[0] != b:
-                raise ValueError(f"{name} must have shape [B, H, D] with B = {b} sequences "
-                                 f"(one token each), got {tuple(t.shape)}")
-        if q.shape != k.shape:
-            raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and "
-                             f"{tuple(k.shape)}")
-        if v.shape[1] != q.shape[1]:
-            raise ValueError(f"v has {v.shape[1]} heads but q has {q.shape[1]}")
-        if 0 in q.shape or v.shape[2] == 0:
-            raise ValueError(f"a token needs at least one head and one feature, got q "
-                             f"{tuple(q.shape)} and v {tuple(v.shape)}")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            bad = ~torch.isfinite(t).flatten(1).all(1)
-            if bool(bad.any()):
-                raise ValueError(f"{name} holds a NaN or inf in row {first_true(bad.cpu())} "
-                                 "(that sequence's new token)")
+        check_step_tokens(q, k, v, self.batch_size, check_finite=True)
         self._set_spec((q.shape[1], q.shape[2], v.shape[2], q.dtype, q.device))
         dtype = compute_dtype(q.dtype)
         return q.to(dtype), k.to(dtype), v.to(dtype)

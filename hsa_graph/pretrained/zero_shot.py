@@ -301,12 +301,30 @@ def _train_probe(x: Tensor, y: Tensor, weight_decay: float = 1e-3, steps: int = 
 
 
 # -------------------------------------------------------------------------- KL
+def _captured(model, encoder: _Encoder, texts: List[str], max_length: int, batch: int,
+              desc: str, progress: bool):
+    """Yield ``(chunk, enc, records)`` per batch of ``texts``: the tokenizer's encoding
+    and each layer's ``(q, k, scale)`` captured from the original model."""
+    from tqdm.auto import tqdm
+
+    encoder_batch, encoder.batch_size = encoder.batch_size, batch
+    try:
+        steps = math.ceil(len(texts) / batch)
+        for chunk, enc in tqdm(encoder.batches(texts, max_length), total=steps, desc=desc,
+                               leave=False, disable=not progress):
+            inputs = {k: v for k, v in enc.items() if k != "offset_mapping"}
+            with patch_hsa(model, layers=()) as patch, patch.capture() as records, \
+                    torch.no_grad():
+                model(**inputs)
+            yield chunk, enc, records
+    finally:
+        encoder.batch_size = encoder_batch
+
+
 def _kl_table(model, encoder: _Encoder, groups: Dict[str, Tuple[List[str], int, bool, int]],
               hierarchies: Sequence, progress: bool) -> Dict[str, Any]:
     """Mean row KL to softmax per (hierarchy, approximation, layer, head), over all
     tokens of each text group; the original model's queries and keys."""
-    from tqdm.auto import tqdm
-
     layers = model.config.num_hidden_layers
     heads = encoder.heads
     result: Dict[str, Any] = {}
@@ -315,36 +333,27 @@ def _kl_table(model, encoder: _Encoder, groups: Dict[str, Tuple[List[str], int, 
         sums = {(_name(h), a): torch.zeros(layers, heads, dtype=torch.float64)
                 for h in hierarchies for a in APPROXIMATIONS}
         rows = 0
-        encoder_batch, encoder.batch_size = encoder.batch_size, batch
-        try:
-            steps = math.ceil(len(texts) / batch)
-            for chunk, enc in tqdm(encoder.batches(texts, max_length), total=steps,
-                                   desc=f"KL {group}", leave=False, disable=not progress):
-                inputs = {k: v for k, v in enc.items() if k != "offset_mapping"}
-                with patch_hsa(model, layers=()) as patch, patch.capture() as records, \
-                        torch.no_grad():
-                    model(**inputs)
-                rows += int(enc["attention_mask"].sum())
-                rows_of = token_mask(enc["attention_mask"]).nonzero(as_tuple=True)[0]
-                for h in hierarchies:
-                    if h == "semantic":
-                        forest = semantic_hierarchy(enc, chunk, split_lines=split_lines)
-                    elif not _built_in_layer(h):
-                        forest = window_hierarchy(enc["attention_mask"], h)
-                    for layer, (q, k, scale) in records.items():
-                        if isinstance(h, InducedHierarchy):
-                            forest = h.build(k, rows_of)
-                        q, k = q.double(), k.double()
-                        p = softmax_weights(q, k, forest, scale)
-                        thetas = {
-                            "hsa": hsa_weights(q, k, forest, scale=scale),
-                            "block_average": block_average_weights(p, forest),
-                            "pooled_softmax": pooled_softmax_weights(q, k, forest, scale),
-                        }
-                        for a, theta in thetas.items():
-                            sums[(_name(h), a)][layer] += attention_kl(theta, p).sum(-1)
-        finally:
-            encoder.batch_size = encoder_batch
+        for chunk, enc, records in _captured(model, encoder, texts, max_length, batch,
+                                             f"KL {group}", progress):
+            rows += int(enc["attention_mask"].sum())
+            rows_of = token_mask(enc["attention_mask"]).nonzero(as_tuple=True)[0]
+            for h in hierarchies:
+                if h == "semantic":
+                    forest = semantic_hierarchy(enc, chunk, split_lines=split_lines)
+                elif not _built_in_layer(h):
+                    forest = window_hierarchy(enc["attention_mask"], h)
+                for layer, (q, k, scale) in records.items():
+                    if isinstance(h, InducedHierarchy):
+                        forest = h.build(k, rows_of)
+                    q, k = q.double(), k.double()
+                    p = softmax_weights(q, k, forest, scale)
+                    thetas = {
+                        "hsa": hsa_weights(q, k, forest, scale=scale),
+                        "block_average": block_average_weights(p, forest),
+                        "pooled_softmax": pooled_softmax_weights(q, k, forest, scale),
+                    }
+                    for a, theta in thetas.items():
+                        sums[(_name(h), a)][layer] += attention_kl(theta, p).sum(-1)
         result[group] = {
             "texts": len(texts), "tokens": rows,
             "kl": {_name(h): {a: (sums[(_name(h), a)] / rows).tolist() for a in APPROXIMATIONS}
@@ -362,7 +371,6 @@ def _budget_table(model, encoder: _Encoder, groups: Dict[str, Tuple[List[str], i
     example, and, for induced hierarchies, the milliseconds to build a layer's trees.
     Sparse patterns renormalise softmax over their support, so their KL is
     :math:`-\\log P_i(S_i)` exactly."""
-    from tqdm.auto import tqdm
 
     layers, heads, dim = model.config.num_hidden_layers, encoder.heads, encoder.head_dim
     patterns = [SparsePattern(kind, size) for kind, grid in sizes.items() for size in grid]
@@ -372,46 +380,38 @@ def _budget_table(model, encoder: _Encoder, groups: Dict[str, Tuple[List[str], i
                       "flops": 0.0, "tree_s": 0.0}
                for name in list(methods) + [p.name for p in patterns]}
         rows = examples = 0
-        encoder_batch, encoder.batch_size = encoder.batch_size, batch
-        try:
-            steps = math.ceil(len(texts) / batch)
-            for chunk, enc in tqdm(encoder.batches(texts, max_length), total=steps,
-                                   desc=f"budgets {group}", leave=False, disable=not progress):
-                inputs = {k: v for k, v in enc.items() if k != "offset_mapping"}
-                with patch_hsa(model, layers=()) as patch, patch.capture() as records, \
-                        torch.no_grad():
-                    model(**inputs)
-                mask = token_mask(enc["attention_mask"])
-                rows_of = mask.nonzero(as_tuple=True)[0]
-                rows += rows_of.numel()
-                examples += len(chunk)
-                flat = window_hierarchy(mask, ())
-                static = {name: (semantic_hierarchy(enc, chunk, split_lines=split_lines)
-                                 if h == "semantic" else window_hierarchy(mask, h))
-                          for name, h in methods.items() if not _built_in_layer(h)}
-                for layer, (q, k, scale) in records.items():
-                    qd, kd = q.double(), k.double()
-                    p = softmax_weights(qd, kd, flat, scale)
-                    for name, h in methods.items():
-                        forest = static.get(name)
-                        if forest is None:
-                            start = time.perf_counter()
-                            forest = h.build(k, rows_of)
-                            acc[name]["tree_s"] += time.perf_counter() - start
-                        theta = hsa_weights(qd, kd, forest, scale=scale)
-                        acc[name]["kl"][layer] += attention_kl(theta, p).sum(-1)
-                        acc[name]["budget"] += float(hsa_budget(forest).sum())
-                        acc[name]["flops"] += float(attention_flops(forest, dim, heads)
-                                                    ["hsa"].sum())
-                    for pattern in patterns:
-                        support = pattern.support(rows_of, p)
-                        mass = torch.where(support, p, 0.0).sum(-1)          # [H, N]
-                        cost = sparse_cost(support, dim, heads, rows_of)
-                        acc[pattern.name]["kl"][layer] += -mass.log().sum(-1)
-                        acc[pattern.name]["budget"] += float(cost["budget"].sum())
-                        acc[pattern.name]["flops"] += float(cost["flops"].sum())
-        finally:
-            encoder.batch_size = encoder_batch
+        steps = math.ceil(len(texts) / batch)
+        for chunk, enc, records in _captured(model, encoder, texts, max_length, batch,
+                                             f"budgets {group}", progress):
+            mask = token_mask(enc["attention_mask"])
+            rows_of = mask.nonzero(as_tuple=True)[0]
+            rows += rows_of.numel()
+            examples += len(chunk)
+            flat = window_hierarchy(mask, ())
+            static = {name: (semantic_hierarchy(enc, chunk, split_lines=split_lines)
+                             if h == "semantic" else window_hierarchy(mask, h))
+                      for name, h in methods.items() if not _built_in_layer(h)}
+            for layer, (q, k, scale) in records.items():
+                qd, kd = q.double(), k.double()
+                p = softmax_weights(qd, kd, flat, scale)
+                for name, h in methods.items():
+                    forest = static.get(name)
+                    if forest is None:
+                        start = time.perf_counter()
+                        forest = h.build(k, rows_of)
+                        acc[name]["tree_s"] += time.perf_counter() - start
+                    theta = hsa_weights(qd, kd, forest, scale=scale)
+                    acc[name]["kl"][layer] += attention_kl(theta, p).sum(-1)
+                    acc[name]["budget"] += float(hsa_budget(forest).sum())
+                    acc[name]["flops"] += float(attention_flops(forest, dim, heads)
+                                                ["hsa"].sum())
+                for pattern in patterns:
+                    support = pattern.support(rows_of, p)
+                    mass = torch.where(support, p, 0.0).sum(-1)          # [H, N]
+                    cost = sparse_cost(support, dim, heads, rows_of)
+                    acc[pattern.name]["kl"][layer] += -mass.log().sum(-1)
+                    acc[pattern.name]["budget"] += float(cost["budget"].sum())
+                    acc[pattern.name]["flops"] += float(cost["flops"].sum())
         calls = layers
         table = {}
         for name, a in acc.items():
