@@ -72,6 +72,8 @@ def _comparison_checks(row: str, source: str, table: List[Dict[str, str]]) -> Li
     checks = []
     text = row.split(" | ")[1]
     per_embedding = "embedding" in table[0]
+    # sentiment-style tables name the attention "variant"; ListOps tables name the "model"
+    key = "model" if per_embedding or "variant" not in table[0] else "variant"
     segments = re.split(r"(static|contextual)", text) if per_embedding else [text]
     embedding = None
     for part in segments:
@@ -82,12 +84,12 @@ def _comparison_checks(row: str, source: str, table: List[Dict[str, str]]) -> Li
             continue
         seen = set()
         for model, mean, ci in re.findall(
-                r"\b(HSA-induced|HSA|FSA|DeepSet)(?: over all leaves)? " + NUMBER
+                r"\b(HSA-induced|HSA|FSA|DeepSet|hsa-tree|fsa)(?: over all leaves)? " + NUMBER
                 + r" \+- " + NUMBER, part):
             if model in seen:  # the first figure per model is the accuracy
                 continue
             seen.add(model)
-            rows = [r for r in table if r.get("model" if per_embedding else "variant") == model
+            rows = [r for r in table if r.get(key) == model
                     and (not per_embedding or r["embedding"] == embedding)]
             values = _cell_numbers(rows[0]["accuracy (95% CI)"]) if rows else []
             for name, said, value in (("accuracy", mean, values[0] if values else None),

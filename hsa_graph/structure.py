@@ -459,6 +459,15 @@ class TreeStructure:
         return bucket.num_families, bucket.size
 
     @_lazy_field
+    def tree_first_leaf(self) -> Tensor:
+        """``[T]`` the leaf row of each tree's first leaf in leaf order (for a parse tree
+        or a token sequence: its first token, the read-out slot of a CLS token)."""
+        n = self.num_leaves
+        rows = torch.arange(n, device=self.leaf_tree.device)
+        first = self.leaf_tree.new_full((self.num_trees,), n)
+        return first.scatter_reduce_(0, self.leaf_tree, rows, "amin")
+
+    @_lazy_field
     def bucket_depths(self) -> List[Tuple[int, ...]]:
         """For each depth ``0 .. max_depth + 1``, the buckets with a member at that depth
         (Python ints, so passes that go depth by depth never ask the device)."""

@@ -364,6 +364,18 @@ def _check_int(name: str, value, low: int) -> int:
     return int(value)
 
 
+def _operator_ids(operators: Sequence[str]) -> np.ndarray:
+    if isinstance(operators, str) or not isinstance(operators, (list, tuple)):
+        raise TypeError(f"operators must be a list or tuple of names from {OPERATORS}, got "
+                        f"{operators!r}")
+    unknown = [op for op in operators if op not in OPERATORS]
+    if unknown or not operators or len(set(operators)) != len(operators):
+        raise ValueError(f"operators must be distinct names from {OPERATORS}, at least one, "
+                         f"got {list(operators)!r}")
+    # the ids in OPERATORS' order, so the full set draws exactly as before
+    return np.array(sorted(OPERATORS.index(op) for op in operators), dtype=np.int64)
+
+
 def _max_possible_length(max_depth: int, max_args: int) -> int:
     length = 1
     for _ in range(max_depth - 1):
@@ -374,8 +386,8 @@ def _max_possible_length(max_depth: int, max_args: int) -> int:
 
 
 def _sample_batch(rng: np.random.Generator, size: int, max_depth: int, max_args: int,
-                  operator_prob: float, min_length: int, max_length: int
-                  ) -> Tuple[List[str], List[int]]:
+                  operator_prob: float, min_length: int, max_length: int,
+                  operator_ids: np.ndarray) -> Tuple[List[str], List[int]]:
     """Draw ``size`` candidate trees level by level; return the expressions (and
     values) whose length lies strictly between the bounds, in draw order."""
     tree = np.arange(size)
@@ -388,7 +400,7 @@ def _sample_batch(rng: np.random.Generator, size: int, max_depth: int, max_args:
             break
         is_op = (rng.random(n) < operator_prob) if depth < max_depth else np.zeros(n, bool)
         nargs = np.where(is_op, rng.integers(2, max_args + 1, n), 0)
-        op = rng.integers(0, len(OPERATORS), n)
+        op = operator_ids[rng.integers(0, operator_ids.size, n)]
         digit = rng.integers(0, 10, n)
         known += np.bincount(tree, weights=np.where(is_op, 2, 1), minlength=size).astype(
             np.int64)
@@ -456,7 +468,8 @@ def _sample_batch(rng: np.random.Generator, size: int, max_depth: int, max_args:
 def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 10,
                      min_length: int = 500, max_length: int = 2000,
                      operator_prob: float = 0.25, seed: int = 0, unique: bool = True,
-                     exclude: Iterable[str] = ()) -> List[Tuple[str, int]]:
+                     exclude: Iterable[str] = (),
+                     operators: Sequence[str] = OPERATORS) -> List[Tuple[str, int]]:
     r"""Draw ``num_examples`` ListOps expressions and their values (LRA's settings by
     default; see the module docstring for the distribution).
 
@@ -470,6 +483,9 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
         seed: the seed; the same seed and settings give the same list.
         unique: drop repeated expressions (as LRA does).
         exclude: expressions never to return (e.g. another split's).
+        operators: the operators drawn from (uniformly), a subset of :data:`OPERATORS`;
+            all four by default (a subset isolates one operator's share of the task,
+            e.g. without ``SM``, the only one that needs counting).
 
     Returns:
         ``[(expression, value), ...]`` in draw order, expressions without LRA's round
@@ -501,6 +517,7 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
         raise ValueError(f"with max_depth={max_depth} and max_args={max_args} no expression is "
                          f"longer than {longest} tokens, so none exceeds min_length="
                          f"{min_length}")
+    operator_ids = _operator_ids(operators)
     rng = np.random.default_rng(seed)
     seen = set(exclude)
     out: List[Tuple[str, int]] = []
@@ -509,7 +526,7 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
     batch = 4096
     while len(out) < num_examples:
         exprs, values = _sample_batch(rng, batch, max_depth, max_args, float(operator_prob),
-                                      min_length, max_length)
+                                      min_length, max_length, operator_ids)
         before = len(out)
         for expr, value in zip(exprs, values):
             if unique:

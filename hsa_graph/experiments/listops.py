@@ -31,13 +31,22 @@ compose one level of the tree; an expression of depth 10 needs about 10 layers
 (``share_weights`` applies one layer ``layers`` times instead, as a recurrent tree
 model would).
 
+Why ``SM`` is the hard operator: ``MAX``, ``MIN`` and ``MED`` of a family are functions
+of the *normalised* histogram of its arguments' values, which a softmax average
+computes, but the sum modulo 10 needs the count of arguments, and any convex
+combination of values is blind to it (with ``include_self`` the weight a token keeps for
+itself reveals the count; the modulo is still a parity-like, maximally sensitive
+function). ``operators`` draws a subset (e.g. without ``SM``) to measure each operator's
+share, and every run reports test accuracy by root operator and by nesting depth
+(:func:`accuracy_breakdown`).
+
 **Protocol.** The test split is fixed (drawn with ``data_seed``); for each of ``seeds``
 seeds every model is initialised from the seed, trained with
 :func:`~hsa_graph.experiments.fit` (the epoch with the best validation accuracy is
 kept) and scored once on the test split. Reported: test accuracy (mean and 95 %
-Student-t interval over the seeds), seconds per training epoch, peak memory of
-training (CUDA: peak allocated; CPU: peak resident memory above the level before the
-run, sampled every 10 ms), parameters, validation accuracy per epoch (plot).
+Student-t interval over the seeds, and by root operator), seconds per training epoch,
+peak memory of training (CUDA: peak allocated; CPU: peak resident memory above the level
+before the run, sampled every 10 ms), parameters, validation accuracy per epoch (plot).
 
 Command line (``hsa-graph listops``): ``--quick`` runs a short version (shallower,
 shorter expressions, fewer examples, 3 seeds) in minutes on 2 CPU cores; without it,
@@ -63,6 +72,7 @@ from torch_geometric.nn.resolver import activation_resolver
 
 from ..datasets.listops import (
     LRA_SETTINGS,
+    OPERATORS,
     VOCAB,
     generate_listops_splits,
     listops_tree,
@@ -79,6 +89,7 @@ __all__ = [
     "QUICK",
     "VARIANTS",
     "HTransformerClassifier",
+    "accuracy_breakdown",
     "add_arguments",
     "build_examples",
     "build_model",
@@ -112,6 +123,10 @@ class ListOpsClassifier(Module):
         channels, heads, hidden_channels, pos_dim, dropout: of the classifier.
         layers: attention layers.
         share_weights: one layer applied ``layers`` times (parameters of one layer).
+        pool: the read-out, ``"mean"`` over the leaves or ``"first"``, the first leaf
+            (the root operator of a parse tree, the first token of a sequence).
+        include_self: whether each token also attends to itself (the paper: no); with
+            it the weight a token keeps for itself reveals how many siblings it has.
 
     Shapes:
         - **input:** a batch of trees with ``x`` ``[N]`` token ids.
@@ -120,13 +135,14 @@ class ListOpsClassifier(Module):
 
     def __init__(self, attention: str = "hierarchical", *, channels: int = 64, heads: int = 4,
                  layers: int = 10, share_weights: bool = False, hidden_channels: int = 128,
-                 pos_dim: Optional[int] = 8, dropout: float = 0.0):
+                 pos_dim: Optional[int] = 8, dropout: float = 0.0, pool: str = "mean",
+                 include_self: bool = False):
         super().__init__()
         self.embedding = Embedding(len(VOCAB), channels)
         self.classifier = TreeClassifier(
             channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
             attention=attention, num_layers=1 if share_weights else layers, pos_dim=pos_dim,
-            dropout=dropout)
+            dropout=dropout, pool=pool, include_self=bool(include_self))
         if share_weights:  # the same module `layers` times: one set of parameters
             self.classifier.encoder.layers = ModuleList(
                 [self.classifier.encoder.layers[0]] * layers)
@@ -192,7 +208,8 @@ class HTransformerClassifier(Module):
 def build_model(variant: str, **spec: Any) -> Module:
     """The model of ``variant`` (:data:`VARIANTS`) with the settings ``spec``
     (``channels``, ``heads``, ``layers``, ``share_weights``, ``hidden_channels``,
-    ``pos_dim``, ``dropout``, ``max_length``)."""
+    ``pos_dim``, ``dropout``, ``pool``, ``include_self``, ``max_length``; the peer
+    H-Transformer-1D takes the first four and mean-pools)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {tuple(VARIANTS)}")
     attention = VARIANTS[variant][1]
@@ -245,13 +262,14 @@ class ListOpsConfig:
     Args:
         variants: models to compare (:data:`VARIANTS`).
         seeds: model initialisations (>= 1; >= 3 for intervals worth the name).
-        num_train, num_val, num_test, max_depth, max_args, min_length, max_length:
-            the data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`).
+        num_train, num_val, num_test, max_depth, max_args, min_length, max_length,
+            operators: the data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`;
+            ``operators`` a subset of ``MAX MIN MED SM``, all four by default).
         data_seed: seed of the data (the test split is fixed by it).
         data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
-        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout: the
-            models.
+        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout, pool,
+            include_self: the models (:class:`ListOpsClassifier`).
         device: ``"cpu"`` or ``"cuda"``.
         output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
         progress: progress output.
@@ -268,6 +286,7 @@ class ListOpsConfig:
     max_args: int = LRA_SETTINGS["max_args"]
     min_length: int = LRA_SETTINGS["min_length"]
     max_length: int = LRA_SETTINGS["max_length"]
+    operators: Tuple[str, ...] = OPERATORS
     data_seed: int = 0
     data_dir: Optional[str] = None
     epochs: int = 20
@@ -282,6 +301,8 @@ class ListOpsConfig:
     hidden_channels: int = 128
     pos_dim: Optional[int] = 8
     dropout: float = 0.0
+    pool: str = "mean"
+    include_self: bool = False
     device: str = "cpu"
     output_dir: Optional[str] = None
     progress: bool = True
@@ -299,6 +320,8 @@ class ListOpsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.pool not in ("mean", "first"):
+            raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
         if self.channels % self.heads:
             raise ValueError(f"channels ({self.channels}) must be a multiple of heads "
                              f"({self.heads})")
@@ -307,7 +330,8 @@ class ListOpsConfig:
         """The settings :func:`build_model` takes."""
         return dict(channels=self.channels, heads=self.heads, layers=self.layers,
                     share_weights=self.share_weights, hidden_channels=self.hidden_channels,
-                    pos_dim=self.pos_dim, dropout=self.dropout, max_length=self.max_length)
+                    pos_dim=self.pos_dim, dropout=self.dropout, pool=self.pool,
+                    include_self=self.include_self, max_length=self.max_length)
 
 
 #: ``--quick``: shallower and shorter expressions, fewer examples (minutes on 2 CPUs).
@@ -324,7 +348,7 @@ def _load_splits(config: ListOpsConfig) -> Dict[str, List[Tuple[str, int]]]:
     return generate_listops_splits(
         config.num_train, config.num_val, config.num_test, seed=config.data_seed,
         max_depth=config.max_depth, max_args=config.max_args, min_length=config.min_length,
-        max_length=config.max_length)
+        max_length=config.max_length, operators=tuple(config.operators))
 
 
 # ------------------------------------------------------------------ measurement
@@ -369,6 +393,37 @@ class _PeakMemory:
     @property
     def mib(self) -> float:
         return max(self.peak - self.base, 0) / 2**20
+
+
+def accuracy_breakdown(model: Module, examples: Sequence[Any],
+                       rows: Sequence[Tuple[str, int]], *, batch_size: int = 32,
+                       device: str = "cpu") -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Test accuracy of ``model`` split by the root operator (``MAX``, ``MIN``, ``MED``,
+    ``SM``, or ``digit`` for a lone digit) and by the nesting depth of each expression:
+    ``{"by_operator": {name: {"accuracy", "n"}}, "by_depth": {str(depth): {...}}}``.
+    ``examples`` are the trees of ``rows``, in the same order."""
+    from torch_geometric.data import Batch
+
+    if len(examples) != len(rows):
+        raise ValueError(f"{len(examples)} examples for {len(rows)} rows")
+    was_training = model.training
+    model.eval()
+    hits = []
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = Batch.from_data_list(list(examples[start:start + batch_size])).to(device)
+            hits.append(model(batch).argmax(-1).cpu() == batch.y.view(-1).cpu())
+    model.train(was_training)
+    hit = torch.cat(hits).tolist() if hits else []
+    groups: Dict[str, Dict[str, List[bool]]] = {"by_operator": {}, "by_depth": {}}
+    for ok, (expr, _) in zip(hit, rows):
+        parsed = parse_listops(expr)
+        first = int(parsed.tokens[0])
+        op = OPERATORS[first - 10] if 10 <= first < 10 + len(OPERATORS) else "digit"
+        groups["by_operator"].setdefault(op, []).append(ok)
+        groups["by_depth"].setdefault(str(parsed.depth), []).append(ok)
+    return {kind: {key: {"accuracy": sum(v) / len(v), "n": len(v)}
+                   for key, v in sorted(table.items())} for kind, table in groups.items()}
 
 
 def _interval(values: Sequence[float]) -> Tuple[float, float]:
@@ -419,6 +474,8 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                     device=config.device, progress=config.progress))
             metrics = evaluate(model, sets["test"], batch_size=config.batch_size,
                                device=config.device)
+            breakdown = accuracy_breakdown(model, sets["test"], splits["test"],
+                                           batch_size=config.batch_size, device=config.device)
             history = result["history"]
             run = {"variant": variant, "seed": seed, "test_accuracy": metrics["accuracy"],
                    "test_f1": metrics["macro_f1"], "best_epoch": result["best_epoch"],
@@ -426,7 +483,7 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                                                                                1),
                    "peak_memory_mib": memory.mib,
                    "parameters": sum(p.numel() for p in model.parameters()),
-                   "history": history}
+                   "breakdown": breakdown, "history": history}
             # one line per run, with or without progress bars
             print(f"[{variant} / seed {seed}] test accuracy {metrics['accuracy']:.4f}, "
                   f"{run['seconds_per_epoch']:.1f} s / epoch", flush=True)
@@ -448,7 +505,11 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                         "seconds_per_epoch": sum(r["seconds_per_epoch"] for r in rows)
                         / len(rows),
                         "peak_memory_mib": max(r["peak_memory_mib"] for r in rows),
-                        "parameters": rows[0]["parameters"]})
+                        "parameters": rows[0]["parameters"],
+                        # the share of each root operator answered right (mean over seeds)
+                        **{f"acc_{op}": sum(r["breakdown"]["by_operator"][op]["accuracy"]
+                                            for r in rows) / len(rows)
+                           for op in rows[0]["breakdown"]["by_operator"]}})
     from .report import markdown_table
 
     out = {"task": "listops", "title": "ListOps (regenerated LRA data): HSA on the parse tree "
@@ -525,8 +586,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
-            "min_length", "max_length", "data_seed", "data_dir", "epochs", "batch_size", "lr",
-            "channels", "heads", "layers", "pos_dim", "dropout", "device", "output_dir")
+            "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
+            "batch_size", "lr", "channels", "heads", "layers", "pos_dim", "dropout", "pool",
+            "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -549,9 +611,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=None, help=f"default {d.dropout}")
     parser.add_argument("--share-weights", action="store_true",
                         help="one attention layer applied --layers times")
+    parser.add_argument("--operators", nargs="+", choices=OPERATORS, default=None,
+                        help="draw only these operators (default: all four)")
+    parser.add_argument("--pool", choices=("mean", "first"), default=None,
+                        help=f"read-out: mean over the tokens or the first token (default "
+                        f"{d.pool})")
+    parser.add_argument("--include-self", action="store_true",
+                        help="each token also attends to itself")
     parser.add_argument("--data-dir", default=None, help="read basic_{train,val,test}.tsv "
                         "(LRA's format) from here instead of generating")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice)")
     parser.add_argument("--out", "--output-dir", dest="output_dir", default=None,
                         help="results, plots and checkpoints (train); TSV files (generate)")
     parser.add_argument("--estimate", action="store_true", help="only time two training "
@@ -571,8 +642,9 @@ def config_from_args(args: argparse.Namespace) -> ListOpsConfig:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if isinstance(value, list) else value
-    if getattr(args, "share_weights", False):
-        values["share_weights"] = True
+    for flag in ("share_weights", "include_self"):
+        if getattr(args, flag, False):
+            values[flag] = True
     if values.get("pos_dim") == 0:
         values["pos_dim"] = None
     values["progress"] = not getattr(args, "no_progress", False)
@@ -585,6 +657,11 @@ def config_from_args(args: argparse.Namespace) -> ListOpsConfig:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the chosen action from parsed arguments; print its result."""
     action = getattr(args, "action", "train")
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"--threads must be a positive int, got {threads!r}")
+        torch.set_num_threads(threads)
     if action == "evaluate":
         if not args.checkpoint or not args.data:
             raise ValueError("evaluate needs --checkpoint PATH and --data FILE.tsv")

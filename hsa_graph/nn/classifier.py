@@ -12,14 +12,15 @@ from torch_geometric.nn.resolver import activation_resolver
 from .attention import ATTENTIONS, _structure, attention_tree, leaf_modalities
 from .encoder import HierarchicalTransformerEncoder
 from .linear import ModalityLinear
-from .pool import global_leaf_pool
+from .pool import _GLOBAL_REDUCE, global_leaf_pool
 
 __all__ = ["TreeClassifier", "attention_flops"]
 
 
 class TreeClassifier(Module):
     r"""Classify whole nested signals: input projection, one attention layer, global
-    mean pooling over the leaves and a one-hidden-layer MLP (paper appendix I.2).
+    mean pooling over the leaves (or another read-out, ``pool``) and a one-hidden-layer
+    MLP (paper appendix I.2).
 
     .. math::
         h_i &= W^{t_i}_{\text{in}}\, x_i + b^{t_i}_{\text{in}}
@@ -54,6 +55,9 @@ class TreeClassifier(Module):
         pos_kwargs: arguments of :class:`~hsa_graph.geometry.PositionEncoder`.
         dropout: dropout in the attention layer and before the last linear map.
         act: activation of the MLP and of the layer's feed-forward network.
+        pool: the read-out over each tree's leaves (:func:`~hsa_graph.nn.global_leaf_pool`:
+            ``"mean"``, the paper's; ``"sum"``, ``"max"``, ``"min"``, or ``"first"``, the
+            first leaf's output, as a CLS token is read).
         **kwargs: further arguments of
             :class:`~hsa_graph.nn.HierarchicalTransformerEncoderLayer`
             (``head_channels``, ``ffn_channels``, ``include_self``, ...).
@@ -84,7 +88,7 @@ class TreeClassifier(Module):
                  *, hidden_channels: int = 128, attention: str = "hierarchical",
                  num_layers: int = 1, num_modalities: int = 1, pos_dim: Optional[int] = 16,
                  pos_kwargs: Optional[Dict[str, Any]] = None, dropout: float = 0.1,
-                 act: str = "gelu", **kwargs: Any):
+                 act: str = "gelu", pool: str = "mean", **kwargs: Any):
         super().__init__()
         for name, value in (("in_channels", in_channels), ("num_classes", num_classes),
                             ("channels", channels), ("heads", heads),
@@ -95,6 +99,9 @@ class TreeClassifier(Module):
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if pool not in _GLOBAL_REDUCE:
+            raise ValueError(f"pool must be one of {_GLOBAL_REDUCE}, got {pool!r}")
+        self.pool = pool
         if channels % heads and "head_channels" not in kwargs:
             kwargs["head_channels"] = channels // heads
         self.in_channels, self.num_classes = in_channels, num_classes
@@ -129,7 +136,7 @@ class TreeClassifier(Module):
         x = x.to(self.input.weight.dtype)
         modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
         h = self.encoder(self.input(x, modality), tree)
-        return global_leaf_pool(h, tree, "mean")
+        return global_leaf_pool(h, tree, self.pool)
 
     def forward(self, x, tree=None) -> Tensor:
         """Logits ``[num_trees, K]`` of ``model(batch)`` or ``model(x, batch)``."""
@@ -186,7 +193,8 @@ class TreeClassifier(Module):
                 f"channels={self.channels}, heads={attn.heads}, attention={self.attention!r}, "
                 f"num_layers={len(self.encoder.layers)}, "
                 f"hidden_channels={self.hidden_channels}, "
-                f"num_modalities={self.num_modalities}, pos_dim={attn.pos_dim})")
+                f"num_modalities={self.num_modalities}, pos_dim={attn.pos_dim}"
+                + ("" if self.pool == "mean" else f", pool={self.pool!r}") + ")")
 
 
 def attention_flops(tree, heads: int, head_channels: int, value_channels: Optional[int] = None,

@@ -28,7 +28,7 @@ from ..signal import NestedSignal
 
 __all__ = ["PooledTree", "global_leaf_pool", "pool_leaves", "subtree_pool"]
 
-_GLOBAL_REDUCE = ("mean", "sum", "max", "min")
+_GLOBAL_REDUCE = ("mean", "sum", "max", "min", "first")
 _SUBTREE_REDUCE = ("mean", "sum")
 
 
@@ -49,7 +49,8 @@ def _structure(tree, device: torch.device):
 
 
 def global_leaf_pool(x: Tensor, tree, reduce: str = "mean") -> Tensor:
-    r"""One vector per tree: the ``reduce`` (mean, sum, max or min) of its leaf rows.
+    r"""One vector per tree: the ``reduce`` (mean, sum, max or min) of its leaf rows,
+    or (``"first"``) the row of its first leaf, as a CLS token is read out.
 
     Trees are numbered by their roots in increasing node index (so, in a PyG
     ``Batch`` of single-rooted trees, in graph order), as
@@ -58,7 +59,7 @@ def global_leaf_pool(x: Tensor, tree, reduce: str = "mean") -> Tensor:
     Args:
         x: ``[N, ...]`` leaf rows.
         tree: a :class:`~hsa_graph.NestedSignal` or ``Batch`` with ``N`` leaves.
-        reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+        reduce: ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"first"``.
 
     Returns:
         ``[T, ...]`` for the ``T`` trees.
@@ -74,6 +75,8 @@ def global_leaf_pool(x: Tensor, tree, reduce: str = "mean") -> Tensor:
         raise ValueError(f"reduce must be one of {_GLOBAL_REDUCE}, got {reduce!r}")
     structure = _structure(tree, x.device if isinstance(x, Tensor) else torch.device("cpu"))
     _check_leaf_rows(x, structure)
+    if reduce == "first":
+        return x[structure.tree_first_leaf]
     return scatter(x, structure.leaf_tree, dim=0, dim_size=structure.num_trees, reduce=reduce)
 
 
@@ -151,7 +154,7 @@ def pool_leaves(x: Tensor, tree, reduce: str = "mean") -> PooledTree:
     Args:
         x: ``[N, ...]`` leaf rows.
         tree: a :class:`~hsa_graph.NestedSignal` or a PyG ``Batch`` of them.
-        reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+        reduce: ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"first"``.
 
     Returns:
         A :class:`PooledTree` ``(x, tree, cluster, node)``; the new tree is a

@@ -64,10 +64,9 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import CausalTiles, TreeStructure
-from .hsa import HSAStatistics, _log_ratio, _logaddexp, hsa_statistics
+from .hsa import HSAStatistics, _log_ratio, _logaddexp, flat_attention, hsa_statistics
 from .inputs import no_autocast, prepare_attention
 
 __all__ = ["causal_hsa"]
@@ -155,19 +154,11 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     plan = x.structure.causal_plan      # checks contiguity; built once per structure
     if x.empty:
         return x.empty_result(x.v.shape)
-    flat = x.structure.flat_families
-    if flat is not None and x.include_self and x.pos is None:
+    if x.structure.flat_families is not None and x.include_self:
         # Flat trees: causal HSA is causal softmax attention inside each tree, which
         # PyTorch's fused kernel computes without the tiles.
-        f, b = flat
-
-        def blocks(t: Tensor) -> Tensor:              # [N, H, D] -> [F, H, b, D] view
-            return t.view(f, b, *t.shape[1:]).transpose(1, 2)
-
         with no_autocast(x.device):
-            y = scaled_dot_product_attention(blocks(x.q), blocks(x.k), blocks(x.v),
-                                               is_causal=True, scale=x.scale)
-        return x.finish(y.transpose(1, 2).reshape(x.v.shape))
+            return x.finish(flat_attention(x, causal=True))
     q, k, v = _FirstOrderOnly.apply(x.q, x.k, x.v)
     pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
     with no_autocast(x.device):

@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import FamilyBucket, TreeStructure, records_grad
 from .flash import cpu_flash_attention
@@ -411,8 +412,45 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     if x.empty:
         return x.empty_result(x.v.shape)
     with no_autocast(x.device):
-        y = _hsa(x)
+        y = _hsa(x) if x.structure.flat_families is None else flat_attention(x)
     return x.finish(y)
+
+
+def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
+    r"""HSA on a forest of flat trees (:attr:`TreeStructure.flat_families`: ``F`` roots
+    over ``b >= 2`` leaves each), which is softmax attention inside each tree:
+
+    .. math::
+        y_i = \sum_{j} \mathrm{softmax}_j\big(s \langle q_i, k_j \rangle
+              + \langle \epsilon_i, \epsilon_j \rangle\big)\, v_j
+
+    over the leaves ``j`` of ``i``'s tree (``j != i`` without ``include_self``; ``j <= i``
+    with ``causal``, which needs ``include_self``). One fused
+    ``scaled_dot_product_attention`` call over ``[F, H, b, D]`` views of the leaf rows,
+    so forward and backward cost what flat attention costs; positions enter as its
+    additive mask. Returns ``[N, H, Dv]``.
+    """
+    f, b = x.structure.flat_families
+
+    def blocks(t: Tensor) -> Tensor:                  # [N, H, D] -> [F, H, b, D] view
+        return t.view(f, b, *t.shape[1:]).transpose(1, 2)
+
+    if causal and not x.include_self:
+        raise ValueError("causal flat attention needs include_self (the first leaf of a "
+                         "tree would see nothing)")
+    mask = None
+    if x.pos is not None:
+        leaf_pos = blocks(_positions_by_row(x.structure, x.pos, x.q.dtype)[0])
+        mask = leaf_pos @ leaf_pos.transpose(-1, -2)  # <eps(i), eps(j)>, [F, H or 1, b, b]
+    if causal:
+        order = torch.ones(b, b, dtype=torch.bool, device=x.device).tril()
+        mask = order if mask is None else mask.masked_fill(~order, float("-inf"))
+    elif not x.include_self:
+        others = ~torch.eye(b, dtype=torch.bool, device=x.device)
+        mask = others if mask is None else mask.masked_fill(~others, float("-inf"))
+    y = scaled_dot_product_attention(blocks(x.q), blocks(x.k), blocks(x.v), attn_mask=mask,
+                                     is_causal=causal and mask is None, scale=x.scale)
+    return y.transpose(1, 2).reshape(x.v.shape)
 
 
 def _hsa(x: AttentionInputs) -> Tensor:

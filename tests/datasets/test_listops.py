@@ -113,6 +113,23 @@ def test_generator_lra_settings():
         assert value == reference_value(expression)
 
 
+def test_generator_operator_subset():
+    data = generate_listops(200, seed=2, operators=("MAX", "MED"), **SMALL)
+    ops = {t for e, _ in data for t in e.split() if t.startswith("[")}
+    assert ops == {"[MAX", "[MED"}
+    for expression, value in data[:50]:
+        assert value == reference_value(expression)
+    # the full set, in any order, draws exactly what the default draws
+    assert generate_listops(30, seed=2, operators=("SM", "MED", "MIN", "MAX"), **SMALL) == \
+        generate_listops(30, seed=2, **SMALL)
+    with pytest.raises(ValueError, match="operators"):
+        generate_listops(5, operators=("MAX", "POW"), **SMALL)
+    with pytest.raises(ValueError, match="operators"):
+        generate_listops(5, operators=(), **SMALL)
+    with pytest.raises(TypeError, match="operators"):
+        generate_listops(5, operators="MAX", **SMALL)
+
+
 def test_splits_disjoint():
     s = generate_listops_splits(30, 10, 10, seed=1, **SMALL)
     sets = [{e for e, _ in s[k]} for k in ("train", "val", "test")]

@@ -45,6 +45,50 @@ def test_tiny_run_reports_every_variant(tiny_run):
     assert (out / "listops_curves.png").is_file() and (out / "listops.md").is_file()
 
 
+def test_breakdown_by_operator_and_depth_adds_up_to_the_test_accuracy(tiny_run):
+    out, result = tiny_run
+    from hsa_graph.datasets.listops import generate_listops_splits, parse_listops
+
+    cfg = result["config"]
+    test = generate_listops_splits(cfg["num_train"], cfg["num_val"], cfg["num_test"],
+                                   seed=cfg["data_seed"], max_depth=cfg["max_depth"],
+                                   max_args=cfg["max_args"], min_length=cfg["min_length"],
+                                   max_length=cfg["max_length"])["test"]
+    roots = {}
+    for expr, _ in test:   # counted here from the text, apart from the breakdown's parse
+        root = expr.split()[0]
+        roots[root[1:] if root.startswith("[") else "digit"] = roots.get(
+            root[1:] if root.startswith("[") else "digit", 0) + 1
+    depths = {}
+    for expr, _ in test:
+        d = str(parse_listops(expr).depth)
+        depths[d] = depths.get(d, 0) + 1
+    for run in result["runs"]:
+        for kind, counts in (("by_operator", roots), ("by_depth", depths)):
+            table = run["breakdown"][kind]
+            assert {k: v["n"] for k, v in table.items()} == counts
+            right = sum(v["accuracy"] * v["n"] for v in table.values())
+            assert right == pytest.approx(run["test_accuracy"] * len(test))
+    row = result["summary"][0]
+    assert {f"acc_{op}" for op in roots} <= set(row)
+
+
+def test_model_options_reach_the_models():
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.listops import config_from_args
+
+    args = build_parser("listops").parse_args(["listops", "--quick", "--operators", "MAX", "MIN",
+                                      "--pool", "first", "--include-self", "--threads", "1"])
+    config = config_from_args(args)
+    assert config.operators == ("MAX", "MIN") and config.pool == "first"
+    assert config.include_self
+    model = build_model("hsa-tree", **config.model_spec())
+    assert model.classifier.pool == "first" and "pool='first'" in repr(model.classifier)
+    assert all(layer.attn.include_self for layer in model.classifier.encoder.layers)
+    with pytest.raises(ValueError, match="pool"):
+        ListOpsConfig(pool="max").validate()
+
+
 def test_checkpoint_evaluates_to_the_reported_accuracy(tiny_run, tmp_path):
     out, result = tiny_run
     run = result["runs"][0]

@@ -38,6 +38,8 @@ def test_global_leaf_pool_per_tree_in_graph_order():
                                torch.stack([p.max(0).values for p in parts]))
     torch.testing.assert_close(global_leaf_pool(x, batch, "sum"),
                                torch.stack([p.sum(0) for p in parts]))
+    torch.testing.assert_close(global_leaf_pool(x, batch, "first"),
+                               torch.stack([p[0] for p in parts]))
     with pytest.raises(ValueError, match="reduce must be one of"):
         global_leaf_pool(x, batch, "median")
     with pytest.raises(ValueError, match="one row per leaf"):
@@ -119,3 +121,12 @@ def test_pool_leaves_keeps_trees_and_graph_edges_and_gradients():
     y = hsa(out.x, out.x, out.x, out.tree)
     y.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_first_leaf_pool_on_a_forest_whose_trees_interleave_node_ids():
+    # roots 0 and 2; tree 0's leaves are rows 0 and 2 (nodes 1, 4), tree 1's row 1 (node 3)
+    forest = NestedSignal.from_parents([-1, 0, -1, 2, 0])
+    x = torch.arange(3.0)[:, None]
+    leaf_tree = forest.structure.leaf_tree.tolist()
+    expected = [min(r for r in range(3) if leaf_tree[r] == t) for t in range(2)]
+    assert global_leaf_pool(x, forest, "first").view(-1).tolist() == expected

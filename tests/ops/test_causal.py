@@ -220,20 +220,22 @@ def test_bad_shapes_raise():
         causal_hsa(torch.randn(3, 1, 2), torch.randn(3, 1, 2), torch.randn(3, 1, 2), tree)
 
 
+@pytest.mark.parametrize("with_pos", [False, True])
 @pytest.mark.parametrize("sizes", [[5, 5, 5], [2, 7, 4], [1, 6]])
-def test_flat_forests_equal_the_dense_reference(sizes):
+def test_flat_forests_equal_the_dense_reference(sizes, with_pos):
     # equal flat trees take the fused causal kernel, ragged ones (and a one-leaf tree)
     # the tiles: both must be row i of HSA on the prefix tree
     trees = [hsa_graph.NestedSignal.from_parents([-1] + [0] * s) for s in sizes]
     batch = Batch.from_data_list(trees)
     n = sum(sizes)
-    q, k, v, _ = random_inputs(n, 0, 2, 4, 3, 5)
-    y = causal_hsa(q, k, v, batch)
-    start = 0
+    q, k, v, pos = random_inputs(n, n + len(sizes), 2, 4, 3, 5, pos_dim=3 if with_pos else 0)
+    y = causal_hsa(q, k, v, batch, pos=pos)
+    start = node = 0
     for tree, s in zip(trees, sizes):
+        p = None if pos is None else pos[node:node + s + 1]
         ref = dense_causal_hsa(tree.parent.tolist(), q[start:start + s], k[start:start + s],
-                               v[start:start + s])
+                               v[start:start + s], pos=p)
         torch.testing.assert_close(y[start:start + s], ref, atol=1e-10, rtol=1e-10)
-        start += s
+        start, node = start + s, node + s + 1
     assert (batch.structure.flat_families is not None) == (len(set(sizes)) == 1
                                                            and min(sizes) > 1)

@@ -212,6 +212,40 @@ def test_flat_tree_is_sdpa(include_self, scale, n, heads, root):
     torch.testing.assert_close(theta, torch.softmax(logits, -1), **TOL)
 
 
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("pos_dim,per_head", [(0, False), (3, False), (3, True)])
+def test_forests_of_flat_trees_take_one_fused_call_and_equal_the_dense_reference(
+        include_self, pos_dim, per_head):
+    # 4 flat trees of 5 leaves: the fused path; the same trees with a unary node
+    # under each root (transparent, property 5) take the general passes
+    flat = [-1] + [0] * 5
+    unary = [-1, 0] + [1] * 5
+    batch = Batch.from_data_list([make_tree(flat) for _ in range(4)])
+    deep = Batch.from_data_list([make_tree(unary) for _ in range(4)])
+    assert batch.structure.flat_families == (4, 5) and deep.structure.flat_families is None
+    q, k, v, pos = random_inputs(20, 24, heads=2, d=4, dv=3, seed=7, pos_dim=pos_dim,
+                                 pos_per_head=per_head)
+    y = hsa_graph.hsa(q, k, v, batch, include_self=include_self, pos=pos)
+    for t in range(4):
+        rows = slice(5 * t, 5 * t + 5)
+        p = None if pos is None else pos[6 * t:6 * t + 6]
+        ref = dense_hsa(flat, q[rows], k[rows], v[rows], include_self=include_self, pos=p)
+        torch.testing.assert_close(y[rows], ref, atol=1e-10, rtol=1e-10)
+    # the unary copies: the same node positions, none on the unary nodes themselves
+    deep_pos = None
+    if pos is not None:
+        deep_pos = pos.new_zeros((28, *pos.shape[1:]))
+        for t in range(4):
+            deep_pos[7 * t + 2:7 * t + 7] = pos[6 * t + 1:6 * t + 6]
+    torch.testing.assert_close(
+        hsa_graph.hsa(q, k, v, deep, include_self=include_self, pos=deep_pos), y,
+        atol=1e-10, rtol=1e-10)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: hsa_graph.hsa(a, b, c, batch, include_self=include_self, pos=pos),
+        inputs)
+
+
 @settings(max_examples=25, **SETTINGS)
 @given(cases(with_pos=False))
 def test_flatten_gives_softmax_attention_per_tree(c):
