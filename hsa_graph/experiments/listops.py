@@ -262,14 +262,15 @@ class ListOpsConfig:
     Args:
         variants: models to compare (:data:`VARIANTS`).
         seeds: model initialisations (>= 1; >= 3 for intervals worth the name).
-        num_train, num_val, num_test, max_depth, max_args, min_length, max_length,
-            operators: the data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`;
-            ``operators`` a subset of ``MAX MIN MED SM``, all four by default).
+        num_train, num_val, num_test, max_depth, max_args, min_length, max_length: the
+            data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`).
+        operators: the operators drawn, a subset of ``MAX MIN MED SM`` (all four).
         data_seed: seed of the data (the test split is fixed by it).
         data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
-        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout, pool,
-            include_self: the models (:class:`ListOpsClassifier`).
+        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout: the
+            models (:class:`ListOpsClassifier`).
+        pool, include_self: the read-out and the self term of the models (ditto).
         device: ``"cpu"`` or ``"cuda"``.
         output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
         progress: progress output.
