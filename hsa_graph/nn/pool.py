@@ -28,7 +28,8 @@ from ..signal import NestedSignal
 
 __all__ = ["PooledTree", "global_leaf_pool", "pool_leaves", "subtree_pool"]
 
-_GLOBAL_REDUCE = ("mean", "sum", "max", "min", "first")
+_SCATTER_REDUCE = ("mean", "sum", "max", "min")
+_GLOBAL_REDUCE = _SCATTER_REDUCE + ("first",)   # "first": a row per tree, not a reduction
 _SUBTREE_REDUCE = ("mean", "sum")
 
 
@@ -154,7 +155,7 @@ def pool_leaves(x: Tensor, tree, reduce: str = "mean") -> PooledTree:
     Args:
         x: ``[N, ...]`` leaf rows.
         tree: a :class:`~hsa_graph.NestedSignal` or a PyG ``Batch`` of them.
-        reduce: ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"first"``.
+        reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
 
     Returns:
         A :class:`PooledTree` ``(x, tree, cluster, node)``; the new tree is a
@@ -167,8 +168,8 @@ def pool_leaves(x: Tensor, tree, reduce: str = "mean") -> PooledTree:
         >>> out.tree.parent.tolist(), out.x.flatten().tolist(), out.cluster.tolist()
         ([-1, 0, 0], [2.0, 3.0], [0, 0, 1, 1, 1])
     """
-    if reduce not in _GLOBAL_REDUCE:
-        raise ValueError(f"reduce must be one of {_GLOBAL_REDUCE}, got {reduce!r}")
+    if reduce not in _SCATTER_REDUCE:
+        raise ValueError(f"reduce must be one of {_SCATTER_REDUCE}, got {reduce!r}")
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
     structure = _structure(tree, device)
     _check_leaf_rows(x, structure)

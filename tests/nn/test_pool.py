@@ -130,3 +130,10 @@ def test_first_leaf_pool_on_a_forest_whose_trees_interleave_node_ids():
     leaf_tree = forest.structure.leaf_tree.tolist()
     expected = [min(r for r in range(3) if leaf_tree[r] == t) for t in range(2)]
     assert global_leaf_pool(x, forest, "first").view(-1).tolist() == expected
+
+
+def test_pool_leaves_refuses_the_first_leaf_read_out():
+    # "first" picks a row per tree; coarsening families needs a reduction
+    tree = NestedSignal.from_parents([-1, 0, 0, 0])
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        pool_leaves(torch.randn(3, 2), tree, "first")
