@@ -22,7 +22,7 @@ family.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,49 @@ def records_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd records operations on ``tensors``: where it does not, the passes
     overwrite their own buffers instead of allocating one per level."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _LinearPass(torch.autograd.Function):
+    r"""The linear level passes as one autograd node each: the subtree sum ``U``
+    (:meth:`TreeStructure.bottom_up` without ``combine``: ``up=True``) and the top-down
+    sum ``T`` (``up=False``), each optionally with ``Z``, the zeroing of the roots' and
+    the null row (``masked``): :meth:`TreeStructure.path_sum` is ``T Z``. Recorded op by
+    op, every level's slice would cost a zero-filled full-size gradient in the backward
+    (quadratic in the depth); but ``U`` and ``T`` are each other's adjoints (the
+    gradient of a subtree sum reaches every descendant, that of a path sum every
+    ancestor), and so are ``T Z`` and ``Z U``: the backward is the other pass on one
+    buffer, and under ``create_graph`` the same node again, so it differentiates
+    twice. ``row_scale`` (``[I + 1, 1, ...]``) multiplies the rows of the result (the
+    subtree means divide by the leaf counts), and the gradient before the adjoint."""
+
+    @staticmethod
+    def forward(ctx, st: TreeStructure, values: Tensor, up: bool, masked: bool,
+                row_scale: Optional[Tensor] = None) -> Tensor:
+        ctx.st, ctx.up, ctx.masked, ctx.row_scale = st, up, masked, row_scale
+        value = _LinearPass.run(st, values.clone(memory_format=torch.contiguous_format),
+                                up, masked)
+        return value if row_scale is None else value.mul_(row_scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        st, up, masked, row_scale = ctx.st, not ctx.up, ctx.masked, ctx.row_scale
+        if torch.is_grad_enabled():  # create_graph: the adjoint as a recorded node
+            scaled = grad if row_scale is None else grad * row_scale
+            return None, _LinearPass.apply(st, scaled, up, masked), None, None, None
+        g = grad.clone(memory_format=torch.contiguous_format)
+        g = g if row_scale is None else g.mul_(row_scale)
+        return None, _LinearPass.run(st, g, up, masked), None, None, None
+
+    @staticmethod
+    def run(st: TreeStructure, value: Tensor, up: bool, masked: bool) -> Tensor:
+        """The pass in place on ``value``: ``Z U`` or ``U`` when ``up``, else ``T Z`` or
+        ``T``."""
+        if up:
+            st._sum_up_(value)
+        if masked:
+            value[:st.level_ptr[1]].zero_()
+            value[st.num_internal:].zero_()
+        return value if up else st._sum_down_(value)
 
 
 class _lazy_field:
@@ -499,18 +542,31 @@ class TreeStructure:
     # Every pass below is vectorised over the nodes of one depth and loops only over
     # depths: the operator, pooling and the dense matrix all go through them.
 
-    def to_internal(self, leaf_values: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def to_internal(self, leaf_values: Tensor, out: Optional[Tensor] = None,
+                    family_sums: Optional[Tensor] = None) -> Tensor:
         """Sum leaf rows ``[N, ...]`` into their parents: ``[I + 1, ...]`` (null row last,
         zero). ``out``: a zero-filled ``[I + 1, ...]`` buffer (e.g. a slice of a wider
-        one) to add into, in place, instead of a new tensor."""
+        one) to add into, in place, instead of a new tensor. ``family_sums``: those sums
+        already formed over the families of the :attr:`whole_leaf_bucket` (``[F, ...]``),
+        placed instead of summing ``leaf_values``."""
         if out is None:
             out = leaf_values.new_zeros((self.num_internal + 1, *leaf_values.shape[1:]))
         whole = self.whole_leaf_bucket
+        if family_sums is not None and whole is None:
+            raise ValueError("to_internal: family_sums needs a bucket holding every leaf "
+                             "in leaf order (whole_leaf_bucket is None)")
         if whole is not None:  # leaves are contiguous families: a reshape and a sum
             whole = self.buckets[whole]
+            rows = whole.parent_range
+            if family_sums is not None:
+                if rows is None:
+                    return out.index_copy_(0, whole.parent, family_sums)
+                if records_grad(family_sums):  # a cat's backward is views of its gradient
+                    return torch.cat([out[:rows[0]], family_sums, out[rows[1]:]])
+                out[rows[0]:rows[1]].copy_(family_sums)
+                return out
             # trailing dims flattened: the reduction then runs over long contiguous rows
             families = leaf_values.reshape(whole.num_families, whole.size, -1)
-            rows = whole.parent_range
             if rows is not None and out.is_contiguous() and not records_grad(leaf_values, out):
                 torch.sum(families, 1, out=out[rows[0]:rows[1]].view(whole.num_families, -1))
                 return out
@@ -543,15 +599,10 @@ class TreeStructure:
         ``leaf_part``.
         """
         ptr = self.level_ptr
-        if inplace:
-            # In place, level by level: no level is copied and nothing concatenated.
-            for d in range(self.max_depth - 1, -1, -1):
-                below = leaf_part[ptr[d + 1]:ptr[d + 2]]
-                if below.shape[0]:
-                    if combine is not None:
-                        below = combine(below, ptr[d + 1], ptr[d + 2])
-                    leaf_part[ptr[d]:ptr[d + 1]].index_add_(0, self.level_parent[d + 1], below)
-            return leaf_part
+        if combine is None and not inplace and records_grad(leaf_part):
+            return _LinearPass.apply(self, leaf_part, True, False)
+        if inplace:  # level by level: no level is copied and nothing concatenated
+            return self._sum_up_(leaf_part, combine)
         # Recorded: new tensors per level (autograd saves what the levels above read).
         levels: List[Tensor] = []
         below: Optional[Tensor] = None
@@ -575,44 +626,79 @@ class TreeStructure:
         """Mean of ``leaf_values`` over ``l(A)`` for each internal ``A``: ``[I + 1, ...]``."""
         return self.subtree_mean_of_sums(self.subtree_sum(leaf_values))
 
-    def subtree_means(self, *leaf_values: Tensor) -> tuple:
+    def subtree_means(self, *leaf_values: Tensor,
+                      family_sums: Optional[Sequence[Tensor]] = None) -> tuple:
         """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (e.g. ``q, k, v``) in one
         bottom-up pass (each tensor's means contiguous where autograd records nothing,
-        computed in place then)."""
+        computed in place then). ``family_sums``: per tensor, its sums over the families
+        of the :attr:`whole_leaf_bucket` (``[F, H, *]``, already computed by the caller),
+        used instead of summing the leaves again (see :meth:`to_internal`)."""
         inplace = not records_grad(*leaf_values)
+        sums_of = list(family_sums) if family_sums is not None else [None] * len(leaf_values)
+        if not inplace:
+            # recorded: one autograd node for the pass and the division (_LinearPass),
+            # the tensors stacked and unbound, whose backwards are views and one stack
+            # (a select's would zero-fill a full-size gradient per tensor)
+            parts = [self.to_internal(t, family_sums=f) for t, f in zip(leaf_values, sums_of)]
+            if len({p.shape for p in parts}) > 1:  # e.g. Dv != D
+                return tuple(_LinearPass.apply(self, p, True, False, self._inverse_size(p))
+                             for p in parts)
+            stacked = torch.stack(parts, 1)
+            return _LinearPass.apply(self, stacked, True, False,
+                                     self._inverse_size(stacked)).unbind(1)
         if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D: one pass each
             return tuple(self.subtree_mean_of_sums(
-                self.bottom_up(self.to_internal(t), inplace=inplace), inplace=True)
-                for t in leaf_values)
+                self.bottom_up(self.to_internal(t, family_sums=f), inplace=True),
+                inplace=True) for t, f in zip(leaf_values, sums_of))
         # one buffer [T, I + 1, ...]: each tensor's means contiguous (the families'
         # gathers are views), and one bottom-up pass over its [I + 1, T, ...] view
         first = leaf_values[0]
         sums = first.new_zeros((len(leaf_values), self.num_internal + 1, *first.shape[1:]))
-        for j, t in enumerate(leaf_values):
-            self.to_internal(t, out=sums[j])
-        means = self.subtree_mean_of_sums(
-            self.bottom_up(sums.movedim(0, 1), inplace=inplace), inplace=True)
+        for j, (t, f) in enumerate(zip(leaf_values, sums_of)):
+            self.to_internal(t, out=sums[j], family_sums=f)
+        means = self.subtree_mean_of_sums(self.bottom_up(sums.movedim(0, 1), inplace=True),
+                                          inplace=True)
         return tuple(means.select(1, j) for j in range(len(leaf_values)))
+
+    def _inverse_size(self, like: Tensor) -> Tensor:
+        """``1 / n(A)`` per internal row (null row 1), shaped to scale ``like``'s rows."""
+        size = torch.cat([self.internal_size, self.internal_size.new_ones(1)])
+        return (1.0 / size).to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
     def subtree_mean_of_sums(self, sums: Tensor, inplace: bool = False) -> Tensor:
         """Divide per-node sums ``[I + 1, ...]`` by the leaf counts ``n(A)`` (into
         ``sums`` itself with ``inplace``)."""
-        size = torch.cat([self.internal_size, self.internal_size.new_ones(1)])
-        size = size.to(sums.dtype).view(-1, *([1] * (sums.dim() - 1)))
-        return sums.div_(size) if inplace else sums / size
+        inverse = self._inverse_size(sums)
+        return sums.mul_(inverse) if inplace else sums * inverse
 
     def path_sum(self, delta: Tensor, inplace: bool = False) -> Tensor:
         r"""Top-down accumulation ``value(A) = value(pa(A)) + delta(A)``, with
         ``value(root) = 0``. ``delta``: ``[I + 1, ...]``; returns ``[I + 1, ...]``
         (null row zero), so ``value[leaf_parent]`` is each leaf's parent's value.
         ``inplace``: write into ``delta`` (a buffer the caller made for this)."""
+        if records_grad(delta):
+            return _LinearPass.apply(self, delta, False, True)
+        return _LinearPass.run(self, delta if inplace else delta.clone(), False, True)
+
+    def _sum_down_(self, value: Tensor) -> Tensor:
+        """``value(A) += value(pa(A))``, top-down, in place over ``[I + 1, ...]`` rows."""
         ptr = self.level_ptr
-        value = delta if inplace else delta.clone()
-        value[:ptr[1]].zero_()
-        value[self.num_internal:].zero_()
         for d in range(1, self.max_depth + 1):
             above = value[ptr[d - 1]:ptr[d]].index_select(0, self.level_parent[d])
             value[ptr[d]:ptr[d + 1]].add_(above)
+        return value
+
+    def _sum_up_(self, value: Tensor,
+                 combine: Optional[Callable[[Tensor, int, int], Tensor]] = None) -> Tensor:
+        """``value(A) += sum of combine(value(C))`` over internal children, bottom-up,
+        in place (see :meth:`bottom_up`)."""
+        ptr = self.level_ptr
+        for d in range(self.max_depth - 1, -1, -1):
+            below = value[ptr[d + 1]:ptr[d + 2]]
+            if below.shape[0]:
+                if combine is not None:
+                    below = combine(below, ptr[d + 1], ptr[d + 2])
+                value[ptr[d]:ptr[d + 1]].index_add_(0, self.level_parent[d + 1], below)
         return value
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,

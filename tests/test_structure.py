@@ -517,3 +517,44 @@ def test_padded_size_grid():
     from hsa_graph.structure import _padded_size
     sizes = torch.arange(1, 5000)
     assert _padded_size(sizes).tolist() == [padded_size(s) for s in sizes.tolist()]
+
+
+def _dense_passes(s: TreeStructure):
+    """Independent matrices of the two linear passes over internal rows ``[I + 1]``:
+    subtree sums ``U[a, b] = 1`` when ``b`` is ``a`` or below it, path sums
+    ``P[a, b] = 1`` when ``b`` is on the path from ``a`` up to, not including, its root
+    (the null row and the roots read nothing)."""
+    i = s.num_internal
+    parent = s.internal_parent.tolist()
+    up = torch.zeros(i + 1, i + 1, dtype=DT)
+    up[i, i] = 1.0
+    path = torch.zeros(i + 1, i + 1, dtype=DT)
+    for b in range(i):
+        a = b
+        while a != i:  # for every ancestor-or-self a of b: b is in a's subtree sum,
+            up[a, b] = 1.0
+            if parent[a] != i:  # and a's delta (a not a root) in b's path sum
+                path[b, a] = 1.0
+            a = parent[a]
+    return up, path
+
+
+@pytest.mark.parametrize("name", ["two_levels", "chain", "unary_nodes", "mixed_families",
+                                  "forest_with_lone_leaves", "caterpillar",
+                                  "leaf_and_internal_siblings"])
+def test_linear_passes_and_their_gradients(name):
+    """bottom_up (no combine) and path_sum recorded by autograd are one node each whose
+    backward is the adjoint pass: values and gradients (first and second order) match
+    dense matrices built independently from the parent pointers."""
+    s = TreeStructure.from_parent(torch.tensor(HAND_MADE[name]))
+    up, path = _dense_passes(s)
+    gen = torch.Generator().manual_seed(len(name))
+    x = torch.randn(s.num_internal + 1, 2, 3, dtype=DT, generator=gen, requires_grad=True)
+    for fn, dense in ((s.bottom_up, up), (s.path_sum, path)):
+        y = fn(x)
+        torch.testing.assert_close(y, torch.einsum("ab,bhd->ahd", dense, x), rtol=0, atol=1e-12)
+        g = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, x, g)
+        torch.testing.assert_close(gx, torch.einsum("ab,ahd->bhd", dense, g), rtol=0, atol=1e-12)
+        assert torch.autograd.gradcheck(fn, (x,))
+        assert torch.autograd.gradgradcheck(fn, (x,))

@@ -8,9 +8,18 @@ from torch import Tensor
 
 from ..typing import WITH_CPU_FLASH_ATTENTION
 
-__all__ = ["cpu_flash_attention"]
+__all__ = ["cpu_flash_attention", "cpu_flash_attention_backward"]
 
 _FLASH_DTYPES = (torch.float32, torch.float64)
+
+
+def _applies(q: Tensor, v: Tensor) -> bool:
+    return (WITH_CPU_FLASH_ATTENTION and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] > 0)
+
+
+def _unit_stride(*tensors: Tensor) -> Tuple[Tensor, ...]:
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -37,9 +46,93 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     Returns:
         ``(out [F, H, b, Dv], lse [F, H, b])`` or ``None``.
     """
-    if not (WITH_CPU_FLASH_ATTENTION and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] > 0):
+    if not _applies(q, v):
         return None
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _unit_stride(q, k, v)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=bias, scale=scale)
+
+
+def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                                 out: Tensor, lse: Tensor, d_out: Tensor,
+                                 d_lse: Optional[Tensor], scale: float
+                                 ) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    r"""The gradients of :func:`cpu_flash_attention`'s two results, the log-sum-exp's
+    included, from PyTorch's fused CPU kernels, or ``None`` where they do not apply
+    (then the caller recomputes them with batched matmuls).
+
+    The fused backward forms :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO
+    \odot o))` and knows nothing of :math:`\ell`, whose gradient adds
+    :math:`P \odot d\ell` to :math:`dS`, that is
+
+    .. math::
+        dq \mathrel{+}= s\, d\ell \odot (P k), \qquad
+        dk \mathrel{+}= s\, P^\top (d\ell \odot q).
+
+    Both come from the fused forward kernel, which reads the operands in place:
+    :math:`P k` is attention with ``k`` as its values, and :math:`P^\top` is attention
+    of the keys over the queries with the additive mask
+    :math:`\mathrm{bias}^\top - \ell_i` on query ``i``, whose rows are then not
+    normalised (:math:`P^\top_{ji} \le 1`), so their sums come back as
+    :math:`e^{\mathrm{lse}}` and are multiplied back in. Families must have an
+    unmasked key in every row (every HSA family has two members), where
+    :math:`\ell` is finite. The per-head batched matmuls of the alternative run one
+    small GEMM per family on the token-major strides and cost several times more.
+
+    Args:
+        q, k, v, bias, scale: as :func:`cpu_flash_attention`; out, lse: its results;
+        d_out ``[F, H, b, Dv]``, d_lse ``[F, H, b]`` (``None``: zero): their gradients.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped as ``q, k, v``, or ``None``.
+    """
+    if not (_applies(q, v) and lse.dtype == q.dtype
+            and (bias is None or bias.dtype == q.dtype)):
+        return None
+    q, k, v, out, d_out = _unit_stride(q, k, v, out, d_out)
+    f = q.shape[0]
+    step = max(1, _BLOCK_BYTES // max(1, q[:1].numel() * q.element_size()))
+    if step >= f:
+        return _backward_block(q, k, v, bias, out, lse, d_out, d_lse, scale)
+    # Blocks of families: every temporary (the kernels' outputs, zero-filled gradients,
+    # P k, d_lse * q) is a few MiB that the heap hands back block after block, where
+    # full-size ones are fresh mappings whose pages fault in on every call; only the
+    # three gradients are full-size, written once (empty_like keeps q's token-major
+    # strides).
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for lo in range(0, f, step):
+        rows = slice(lo, lo + step)
+        part = _backward_block(
+            q[rows], k[rows], v[rows],
+            None if bias is None else bias[rows] if bias.shape[0] == f else bias,
+            out[rows], lse[rows], d_out[rows], None if d_lse is None else d_lse[rows], scale)
+        for full, block in zip(grads, part):
+            full[rows].copy_(block)
+    return tuple(grads)
+
+
+#: Bytes of ``q`` per block of families in :func:`cpu_flash_attention_backward`: below
+#: glibc's largest mmap threshold (32 MiB), so that the blocks' temporaries reuse heap
+#: memory instead of mapping (and faulting in) fresh pages.
+_BLOCK_BYTES = 8 << 20
+
+
+def _backward_block(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], out: Tensor,
+                    lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor], scale: float
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
+    if d_lse is None:
+        return dq, dk, dv
+    d_lse = d_lse.unsqueeze(-1)
+    p_k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, k, attn_mask=bias, scale=scale)[0]
+    dq.addcmul_(p_k, d_lse, value=scale)
+    # contiguous [F, H, 1, b] broadcasts in the kernel (a strided one is expanded into a
+    # copy of [F, H, b, b]); P k's buffer, read, takes d_lse * q
+    rows = lse.neg().unsqueeze(-2).contiguous()
+    mask = rows if bias is None else bias.transpose(-1, -2) + rows
+    col, col_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        k, q, torch.mul(q, d_lse, out=p_k), attn_mask=mask, scale=scale)
+    dk.addcmul_(col, col_lse.exp_().unsqueeze(-1), value=scale)
+    return dq, dk, dv

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import FamilyBucket, TreeStructure, records_grad
-from .flash import cpu_flash_attention
+from .flash import cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
 
 __all__ = ["hsa"]
@@ -96,26 +96,51 @@ class _FamilyAttention(torch.autograd.Function):
         S = s\, q k^\top + \mathrm{bias}, \quad
         \ell = \mathrm{logsumexp}_j S, \quad o = \mathrm{softmax}_j(S)\, v.
 
-    Returns ``o`` ``[F, H, b, Dv]`` and ``l`` ``[F, H, b]``. The backward recomputes
-    :math:`P = e^{S - \ell}` instead of saving the logits, and takes the gradient of
-    :math:`\ell` too (the fused kernel's own backward ignores it):
-    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`.
+    Returns ``o`` ``[F, H, b, Dv]`` and ``l`` ``[F, H, b]``; with ``family_sums`` also
+    :math:`\sum_j q_j, \sum_j k_j, \sum_j v_j` over each family (``[F, H, D]``), the
+    leaf sums that the subtree means start from: their gradients then join ``dq, dk,
+    dv`` in place, so that each of ``q, k, v`` receives one full-size gradient from
+    this bucket instead of two that autograd adds into a third.
+
+    The backward recomputes :math:`P = e^{S - \ell}` instead of saving the logits and
+    takes the gradient of :math:`\ell` too:
+    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`
+    (through :func:`~hsa_graph.ops.flash.cpu_flash_attention_backward` where it
+    applies).
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float,
+                family_sums: bool = False):
         out, lse = _family_attention_forward(q, k, v, bias, scale)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.scale = scale
-        return out, lse
+        if not family_sums:
+            return out, lse
+        return out, lse, q.sum(2), k.sum(2), v.sum(2)
 
     @staticmethod
-    def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor]):
+    def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor], *d_sums):
         q, k, v, bias, out, lse = ctx.saved_tensors
         if d_out is not None:
             d_out = d_out.contiguous() if 0 in d_out.stride() else d_out  # stride-0 sums
         needs = ctx.needs_input_grad
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        d_sums = d_sums or (None, None, None)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # create_graph (or tracing): out-of-place, so that this backward can itself
+            # be differentiated
+            heads = [_family_attention_backward_head(
+                ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
+                    q, k, v, bias, out, lse, d_out, d_lse)))
+                for h in range(q.shape[1])]
+            grads = [None if g[0] is None else torch.stack(g, 2).transpose(1, 2)
+                     for g in zip(*heads)]
+            grads = [g if g is None or d is None else g + d.unsqueeze(2)
+                     for g, d in zip(grads, d_sums)]
+            return (*grads, None, None, None)
+        grads = None if d_out is None else cpu_flash_attention_backward(
+            q, k, v, bias, out, lse, d_out, d_lse, ctx.scale)
+        if grads is None:
             # Gradients written head by head into tensors with the strides of q, k, v
             # (token-major [F, b, H, D] rows): nothing is stacked or copied afterwards.
             grads = [torch.empty_like(t) if need else None
@@ -125,15 +150,34 @@ class _FamilyAttention(torch.autograd.Function):
                     ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
                         q, k, v, bias, out, lse, d_out, d_lse)),
                     into=[None if g is None else g[:, h] for g in grads])
-            return (*grads, None, None)
-        # create_graph (or tracing): out-of-place, so that this backward can itself be
-        # differentiated
-        heads = [_family_attention_backward_head(
-            ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
-                q, k, v, bias, out, lse, d_out, d_lse)))
-            for h in range(q.shape[1])]
-        return (*(None if g[0] is None else torch.stack(g, 2).transpose(1, 2)
-                  for g in zip(*heads)), None, None)
+        grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
+                 for g, d in zip(grads, d_sums)]
+        return (*(g if need else None for g, need in zip(grads, needs[:3])),
+                None, None, None)
+
+
+class _WeightedRows(torch.autograd.Function):
+    r"""``above + rows * w``, the leaf outputs of a bucket (``above`` ``[F, 1, H, Dv]``,
+    ``rows`` ``[F, b, H, Dv]``, ``w`` ``[F, 1 or b, H, 1]``), with a backward that forms
+    one full-size tensor (``d rows = dy * w``) where ``addcmul``'s forms three: the
+    gradient of ``w``, :math:`\sum_d dy \odot rows`, is a batched dot product."""
+
+    @staticmethod
+    def forward(ctx, above: Tensor, rows: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, w)
+        return torch.addcmul(above, rows, w)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        rows, w = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        d_above = dy.sum(1, keepdim=True) if needs[0] else None
+        d_rows = dy * w if needs[1] else None
+        d_w = None
+        if needs[2]:
+            d_w = torch.einsum("fbhd,fbhd->fbh", dy, rows).unsqueeze(-1)
+            d_w = d_w.sum(1, keepdim=True) if w.shape[1] == 1 else d_w
+        return d_above, d_rows, d_w
 
 
 def _head(t: Tensor, h: int) -> Tensor:
@@ -300,9 +344,20 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     only, e.g. one family per tree.
     """
     n = st.num_leaves
+    need_means = means or any(b.internal_slot.numel() for b in st.buckets)
+    # Without positions the bucket holding every leaf reads q, k, v themselves (views):
+    # it runs first and hands the subtree means their leaf sums (see _FamilyAttention)
+    whole = st.whole_leaf_bucket if pos is None and v is not None else None
+    first = {}
+    if whole is not None:
+        bucket = st.buckets[whole]
+        first[whole] = _FamilyAttention.apply(
+            *(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)),
+            _bucket_bias(bucket, include_self, q.dtype), scale, need_means)
     rq = rk = rv = None
-    if means or any(b.internal_slot.numel() for b in st.buckets):
-        rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]))
+    if need_means:
+        rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]),
+                                         family_sums=first[whole][2:] if first else None)
         rv = rest[0] if rest else None
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
     (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), fscale = (
@@ -310,13 +365,15 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
 
     bucket_out: List[Optional[Tensor]] = []
     bucket_lse: List[Tensor] = []
-    for bucket in st.buckets:
-        # [F, b, H, D] -> [F, H, b, D] views: no copy for families that are contiguous
-        out, lse = _FamilyAttention.apply(
-            st.gather_bucket(bucket, fq_leaf, fq_internal).transpose(1, 2),
-            st.gather_bucket(bucket, fk_leaf, fk_internal).transpose(1, 2),
-            st.gather_bucket(bucket, fv_leaf, fv_internal).transpose(1, 2),
-            _bucket_bias(bucket, include_self, q.dtype), fscale)
+    for index, bucket in enumerate(st.buckets):
+        if index in first:
+            out, lse = first[index][:2]
+        else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
+            out, lse = _FamilyAttention.apply(
+                st.gather_bucket(bucket, fq_leaf, fq_internal).transpose(1, 2),
+                st.gather_bucket(bucket, fk_leaf, fk_internal).transpose(1, 2),
+                st.gather_bucket(bucket, fv_leaf, fv_internal).transpose(1, 2),
+                _bucket_bias(bucket, include_self, q.dtype), fscale)
         bucket_out.append(None if v is None else out)
         bucket_lse.append(lse)
 
@@ -489,7 +546,7 @@ def _hsa(x: AttentionInputs) -> Tensor:
         if inplace:  # the family output is this call's own buffer: written once more
             y = torch.addcmul(above, out, w, out=out)
         else:
-            y = torch.addcmul(above, out, w)
+            y = _WeightedRows.apply(above, out, w)
         rows.append(y.reshape(-1, *y.shape[2:]))
     y = st.scatter_leaves(rows, 0.0, v)
     lonely = st.lonely_leaf
