@@ -502,6 +502,23 @@ class TreeStructure:
         return bucket.num_families, bucket.size
 
     @_lazy_field
+    def chain_runs(self) -> Tuple[Tuple[int, int], ...]:
+        """Maximal runs ``(lo, hi)``, ``lo < hi``, of internal levels that hold one node
+        each (a chain: a caterpillar's spine, unary nodes): their rows are consecutive,
+        so a pass over them is one cumulative sum instead of one step per level. Python
+        ints from :attr:`level_ptr`."""
+        ptr, runs, lo = self.level_ptr, [], None
+        for d in range(self.max_depth + 2):
+            single = d <= self.max_depth and ptr[d + 1] - ptr[d] == 1
+            if single and lo is None:
+                lo = d
+            elif not single and lo is not None:
+                if d - 1 > lo:
+                    runs.append((lo, d - 1))
+                lo = None
+        return tuple(runs)
+
+    @_lazy_field
     def tree_first_leaf(self) -> Tensor:
         """``[T]`` the leaf row of each tree's first leaf in leaf order (for a parse tree
         or a token sequence: its first token, the read-out slot of a CLS token)."""
@@ -681,11 +698,20 @@ class TreeStructure:
         return _LinearPass.run(self, delta if inplace else delta.clone(), False, True)
 
     def _sum_down_(self, value: Tensor) -> Tensor:
-        """``value(A) += value(pa(A))``, top-down, in place over ``[I + 1, ...]`` rows."""
-        ptr = self.level_ptr
-        for d in range(1, self.max_depth + 1):
+        """``value(A) += value(pa(A))``, top-down, in place over ``[I + 1, ...]`` rows
+        (a chain of one-node levels in one cumulative sum)."""
+        ptr, chain_end = self.level_ptr, dict(self.chain_runs)
+        d = 1
+        while d <= self.max_depth:
+            hi = chain_end.get(d - 1)
+            if hi is not None:  # levels d - 1 .. hi: one node each, rows consecutive
+                run = value[ptr[d - 1]:ptr[hi + 1]]
+                run.copy_(run.cumsum(0))
+                d = hi + 1
+                continue
             above = value[ptr[d - 1]:ptr[d]].index_select(0, self.level_parent[d])
             value[ptr[d]:ptr[d + 1]].add_(above)
+            d += 1
         return value
 
     def _sum_up_(self, value: Tensor,
@@ -693,12 +719,21 @@ class TreeStructure:
         """``value(A) += sum of combine(value(C))`` over internal children, bottom-up,
         in place (see :meth:`bottom_up`)."""
         ptr = self.level_ptr
-        for d in range(self.max_depth - 1, -1, -1):
+        chain_start = {} if combine is not None else {hi: lo for lo, hi in self.chain_runs}
+        d = self.max_depth - 1
+        while d >= 0:
+            lo = chain_start.get(d + 1)
+            if lo is not None:  # levels lo .. d + 1: one node each, a reversed cumsum
+                run = value[ptr[lo]:ptr[d + 2]]
+                run.copy_(run.flip(0).cumsum(0).flip(0))
+                d = lo - 1
+                continue
             below = value[ptr[d + 1]:ptr[d + 2]]
             if below.shape[0]:
                 if combine is not None:
                     below = combine(below, ptr[d + 1], ptr[d + 2])
                 value[ptr[d]:ptr[d + 1]].index_add_(0, self.level_parent[d + 1], below)
+            d -= 1
         return value
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
@@ -747,21 +782,49 @@ class TreeStructure:
         whole = self.whole_leaf_bucket
         if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
             return per_bucket[whole]
-        # one gather from the concatenated slots: a scatter would need the output
-        # zero-filled first, and one index_copy per bucket copies it once per bucket
+        if not records_grad(*per_bucket):
+            # each bucket's leaf rows written once into the output, as views where the
+            # leaves are in place (the gather below copies every row twice)
+            out = like.new_empty((self.num_leaves, *like.shape[1:]))
+            if self.lonely_leaf.numel():
+                out.index_fill_(0, self.lonely_leaf, fill)
+            for bucket, rows in zip(self.buckets, per_bucket):
+                if not bucket.leaf_slot.numel():
+                    continue
+                if bucket.leaf_range is not None:
+                    out[bucket.leaf_range[0]:bucket.leaf_range[1]].copy_(rows)
+                elif bucket.leaf_block is not None:
+                    lo, per_family = bucket.leaf_block
+                    f, rest = bucket.num_families, rows.shape[1:]
+                    out[lo:lo + f * per_family].view(f, per_family, *rest).copy_(
+                        rows.view(f, bucket.size, *rest)[:, :per_family])
+                else:
+                    out.index_copy_(0, bucket.leaf_src, rows.index_select(0, bucket.leaf_slot))
+            return out
+        # recorded: one gather from the concatenated slots (its backward is one scatter;
+        # in-place writes would cost a full-size gradient copy per bucket)
         parts = [rows for bucket, rows in zip(self.buckets, per_bucket)
                  if bucket.leaf_slot.numel()]
         parts.append(like.new_full((1, *like.shape[1:]), fill))
         return torch.cat(parts).index_select(0, self.leaf_out_index)
 
     def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
-                         like: Tensor) -> Tensor:
-        """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]``."""
+                         like: Tensor, row_scale: Optional[List[Optional[Tensor]]] = None
+                         ) -> Tensor:
+        """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]``.
+        ``row_scale``: per bucket ``[F * b, ...]`` factors (leading dims of the rows),
+        applied to the internal members' rows only (not to every slot first)."""
         sources, values = [], []
-        for bucket, rows in zip(self.buckets, per_bucket):
+        scales = row_scale if row_scale is not None else [None] * len(per_bucket)
+        for bucket, rows, scale in zip(self.buckets, per_bucket, scales):
             if bucket.internal_slot.numel():
                 sources.append(bucket.internal_src)
-                values.append(rows.index_select(0, bucket.internal_slot))
+                member = rows.index_select(0, bucket.internal_slot)
+                if scale is not None:
+                    scale = scale.index_select(0, bucket.internal_slot)
+                    member = member * scale.view(*scale.shape,
+                                                 *([1] * (member.dim() - scale.dim())))
+                values.append(member)
         return _scatter_rows(like.new_full((self.num_internal + 1, *like.shape[1:]), fill),
                              sources, values)
 

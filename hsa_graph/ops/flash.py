@@ -15,7 +15,16 @@ _FLASH_DTYPES = (torch.float32, torch.float64)
 
 def _applies(q: Tensor, v: Tensor) -> bool:
     return (WITH_CPU_FLASH_ATTENTION and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] > 0)
+            and v.dtype == q.dtype and q.shape[-1] > 0 and v.shape[-1] > 0)
+
+
+def _widened(t: Tensor, width: int) -> Tensor:
+    """``t`` with zero features appended up to ``width`` (the kernels need ``Dv == D``:
+    zero query and key features leave the logits unchanged, zero value features give
+    zero output features, and their gradients are dropped)."""
+    if t.shape[-1] == width:
+        return t
+    return torch.cat([t, t.new_zeros((*t.shape[:-1], width - t.shape[-1]))], -1)
 
 
 def _unit_stride(*tensors: Tensor) -> Tuple[Tensor, ...]:
@@ -32,11 +41,13 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     it reads strided ``[F, H, b, D]`` views of ``q, k, v`` in place and never forms the
     ``[F, H, b, b]`` logits. It is private (``aten::_scaled_dot_product_flash_attention_for_cpu``),
     so its preconditions are checked here, not assumed: a CPU tensor of float32 or
-    float64, ``Dv == D``, and a unit-stride feature axis (the kernel reads each row as
-    dense memory and returns wrong values for any other stride of the last dimension).
+    float64 and a unit-stride feature axis (the kernel reads each row as dense memory
+    and returns wrong values for any other stride of the last dimension). The kernel
+    needs ``Dv == D``: the narrower side is widened with zero features (e.g. the values
+    when positions join the queries and keys as extra features).
 
-    Without it (other devices, half precision, ``Dv != D``, or a PyTorch without the
-    kernel) the caller computes the same two results with plain matmuls, which costs the
+    Without it (other devices, half precision, or a PyTorch without the kernel) the
+    caller computes the same two results with plain matmuls, which costs the
     ``[F, H, b, b]`` logits in memory.
 
     Args:
@@ -48,9 +59,11 @@ def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     """
     if not _applies(q, v):
         return None
-    q, k, v = _unit_stride(q, k, v)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
+    q, k, v = _unit_stride(*(_widened(t, width) for t in (q, k, v)))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=bias, scale=scale)
+    return (out if dv == width else out[..., :dv]), lse
 
 
 def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -89,6 +102,12 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
     if not (_applies(q, v) and lse.dtype == q.dtype
             and (bias is None or bias.dtype == q.dtype)):
         return None
+    d, dv, width = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
+    if d != dv:  # as in the forward: the narrower side widened by zero features
+        grads = cpu_flash_attention_backward(
+            _widened(q, width), _widened(k, width), _widened(v, width), bias,
+            _widened(out, width), lse, _widened(d_out, width), d_lse, scale)
+        return grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv]
     q, k, v, out, d_out = _unit_stride(q, k, v, out, d_out)
     f = q.shape[0]
     step = max(1, _BLOCK_BYTES // max(1, q[:1].numel() * q.element_size()))

@@ -75,7 +75,7 @@ def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                               scale: float) -> Tuple[Tensor, Tensor]:
     """Softmax attention and its log-sum-exp, through :func:`cpu_flash_attention` where
-    it applies, else with plain matmuls (other devices, half precision, ``Dv != D``)."""
+    it applies, else with plain matmuls (other devices, half precision)."""
     fused = cpu_flash_attention(q, k, v, bias, scale)
     if fused is not None:
         return fused
@@ -289,9 +289,12 @@ def _leaf_rows(st: TreeStructure, per_bucket: List[Tensor], fill: float, like: T
 
 
 def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: float,
-                   like: Tensor):
-    return st.scatter_internal([_rows(t) if b.internal_slot.numel() else None
-                                for b, t in zip(st.buckets, per_bucket)], fill, like)
+                   like: Tensor, row_scale: Optional[List[Tensor]] = None):
+    def rows(tensors):
+        return [_rows(t) if b.internal_slot.numel() else None
+                for b, t in zip(st.buckets, tensors)]
+    return st.scatter_internal(rows(per_bucket), fill, like,
+                               None if row_scale is None else rows(row_scale))
 
 
 def _positions_by_row(st: TreeStructure, pos: Optional[Tensor], dtype: torch.dtype
@@ -530,9 +533,9 @@ def _hsa(x: AttentionInputs) -> Tensor:
         weights.append(w)
 
     # acc(A): the sum of the internal contributions over A's ancestors-or-self, top down.
-    deltas = [out * w.unsqueeze(-1) if bucket.internal_slot.numel() else None
-              for bucket, out, w in zip(st.buckets, stats.bucket_out, weights)]
-    acc = st.path_sum(_internal_rows(st, deltas, 0.0, v), inplace=True)          # [I + 1, H, Dv]
+    # (the weights multiply the internal members' rows only, not every slot)
+    acc = st.path_sum(_internal_rows(st, stats.bucket_out, 0.0, v, row_scale=weights),
+                      inplace=True)                                          # [I + 1, H, Dv]
 
     # A leaf's output: its weighted family row plus its parent's acc, in one pass.
     inplace = not records_grad(x.q, x.k, v, x.pos)

@@ -69,10 +69,49 @@ def test_backward_declines_where_the_kernel_does_not_apply():
     q, k, v, d_out, d_lse = token_major(seed=3)
     out, lse = reference(q, k, v, None, 0.5)
     half = [t.to(torch.bfloat16) for t in (q, k, v, out, lse, d_out, d_lse)]
+    assert cpu_flash_attention(*half[:3], None, 0.5) is None
     assert cpu_flash_attention_backward(*half[:3], None, *half[3:], 0.5) is None
-    narrow_v = v[..., :3]
-    assert cpu_flash_attention_backward(q, k, narrow_v, None, out[..., :3], lse,
-                                        d_out[..., :3], d_lse, 0.5) is None
+
+
+@pytest.mark.parametrize("dv", [3, 9])
+@pytest.mark.parametrize("bias_index", [0, 2])
+def test_value_width_other_than_the_key_width(dv, bias_index):
+    """``Dv != D`` (positions widen the queries and keys): the narrower side is widened
+    with zero features for the kernels, forward and backward equal the reference."""
+    bias = biases()[bias_index]
+    q, k, _, _, d_lse = token_major(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    v, d_out = (torch.randn(F, B, H, dv, generator=gen, dtype=torch.float64).transpose(1, 2)
+                for _ in range(2))
+    out, lse = cpu_flash_attention(q, k, v, bias, 0.6)
+    assert out.shape == (F, H, B, dv)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*leaves, bias, 0.6)
+    torch.testing.assert_close(out, ref_out.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse.detach(), rtol=0, atol=1e-12)
+    expected = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), leaves)
+    got = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, 0.6)
+    for name, g, e in zip("qkv", got, expected):
+        assert g.shape == e.shape, name
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-11, msg=f"d{name}")
+
+
+def test_backward_in_blocks_of_families(monkeypatch):
+    """Past a few MiB the backward runs in blocks of families (their temporaries reuse
+    heap memory): blocks of one and of two families give the single call's gradients."""
+    import hsa_graph.ops.flash as flash
+
+    bias = biases()[1]
+    q, k, v, d_out, d_lse = token_major(seed=11)
+    out, lse = cpu_flash_attention(q, k, v, bias, 0.4)
+    whole = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, 0.4)
+    per_family = q[:1].numel() * q.element_size()
+    for families in (1, 2):
+        monkeypatch.setattr(flash, "_BLOCK_BYTES", families * per_family)
+        blocked = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, 0.4)
+        for g, e, t in zip(blocked, whole, (q, k, v)):
+            assert g.stride() == t.stride()  # token-major, as the inputs
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("bias_index", [1, 2])
