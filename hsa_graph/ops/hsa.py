@@ -117,7 +117,7 @@ class _FamilyAttention(torch.autograd.Function):
         ctx.scale = scale
         if not family_sums:
             return out, lse
-        return out, lse, q.sum(2), k.sum(2), v.sum(2)
+        return (out, lse, *(_family_sum(t) for t in (q, k, v)))
 
     @staticmethod
     def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor], *d_sums):
@@ -154,6 +154,17 @@ class _FamilyAttention(torch.autograd.Function):
                  for g, d in zip(grads, d_sums)]
         return (*(g if need else None for g, need in zip(grads, needs[:3])),
                 None, None, None)
+
+
+def _family_sum(t: Tensor) -> Tensor:
+    """``t.sum(2)`` of a ``[F, H, b, D]`` bucket view; over token-major rows (the usual
+    layout) as one reduction over contiguous ``[F, b, H * D]`` rows, several times faster
+    than reducing the strided axis."""
+    rows = t.transpose(1, 2)
+    if not rows.is_contiguous():
+        return t.sum(2)
+    f, b, h, d = rows.shape
+    return rows.reshape(f, b, h * d).sum(1).view(f, h, d)
 
 
 class _WeightedRows(torch.autograd.Function):
