@@ -22,7 +22,7 @@ family.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -773,6 +773,40 @@ class TreeStructure:
         out.index_copy_(0, bucket.internal_slot,
                         internal_values.index_select(0, bucket.internal_src))
         return out.view(f, b, *rest)
+
+    @_lazy_field
+    def shared_gathers(self) -> Tuple[Tuple[str, Tuple[int, ...], Tensor, Tuple[int, ...]], ...]:
+        """For leaf and for internal values, when two or more buckets read their members
+        by index (``leaf_gather`` / ``internal_gather``): ``(kind, bucket indices, their
+        indices concatenated, their lengths)``, so that :meth:`gather_buckets` reads them
+        in one gather."""
+        shared = []
+        for kind in ("leaf", "internal"):
+            members = [(i, getattr(b, f"{kind}_gather")) for i, b in enumerate(self.buckets)
+                       if getattr(b, f"{kind}_gather") is not None]
+            if len(members) >= 2:
+                shared.append((kind, tuple(i for i, _ in members),
+                               torch.cat([g for _, g in members]),
+                               tuple(g.numel() for _, g in members)))
+        return tuple(shared)
+
+    def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor) -> Iterator[Tensor]:
+        """:meth:`gather_bucket` of every bucket, in bucket order, one at a time (a
+        generator: without autograd each gathered copy is freed before the next).
+        Where autograd records, the buckets that read by index (ragged families) share
+        one gather per source: the backward of a gather zero-fills a gradient of the
+        whole source, once for all those buckets instead of once per bucket."""
+        shared = {}
+        if records_grad(leaf_values, internal_values):
+            for kind, indices, index, lengths in self.shared_gathers:
+                values = leaf_values if kind == "leaf" else internal_values
+                parts = values.index_select(0, index).split(lengths)
+                for i, part in zip(indices, parts):
+                    bucket = self.buckets[i]
+                    shared[i] = part.view(bucket.num_families, bucket.size, *values.shape[1:])
+        for i, bucket in enumerate(self.buckets):
+            yield shared[i] if i in shared else self.gather_bucket(bucket, leaf_values,
+                                                                   internal_values)
 
     def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
                        like: Tensor) -> Tensor:

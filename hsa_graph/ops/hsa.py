@@ -379,14 +379,14 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
 
     bucket_out: List[Optional[Tensor]] = []
     bucket_lse: List[Tensor] = []
-    for index, bucket in enumerate(st.buckets):
+    members = zip(st.gather_buckets(fq_leaf, fq_internal), st.gather_buckets(fk_leaf, fk_internal),
+                  st.gather_buckets(fv_leaf, fv_internal))
+    for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
             out, lse = _FamilyAttention.apply(
-                st.gather_bucket(bucket, fq_leaf, fq_internal).transpose(1, 2),
-                st.gather_bucket(bucket, fk_leaf, fk_internal).transpose(1, 2),
-                st.gather_bucket(bucket, fv_leaf, fv_internal).transpose(1, 2),
+                bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
                 _bucket_bias(bucket, include_self, q.dtype), fscale)
         bucket_out.append(None if v is None else out)
         bucket_lse.append(lse)
