@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..structure import FamilyBucket, TreeStructure, records_grad
-from .flash import cpu_flash_attention, cpu_flash_attention_backward
+from .flash import _widened, cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
 
 __all__ = ["hsa"]
@@ -340,6 +340,12 @@ def _family_operands(q: Tensor, k: Tensor, v: Optional[Tensor], means: Tuple,
             fk_internal = torch.cat([rk, pi], -1)
         scale = 1.0
     fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
+    if v is not None and v.shape[-1] < fq_leaf.shape[-1]:
+        # the fused kernels need the values as wide as the keys: zero features added
+        # once here (the outputs' are sliced off), not in every bucket and its backward
+        width = fq_leaf.shape[-1]
+        fv_leaf = _widened(fv_leaf, width)
+        fv_internal = None if fv_internal is None else _widened(fv_internal, width)
     return (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), scale
 
 
@@ -388,7 +394,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
             out, lse = _FamilyAttention.apply(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
                 _bucket_bias(bucket, include_self, q.dtype), fscale)
-        bucket_out.append(None if v is None else out)
+        bucket_out.append(None if v is None else out[..., :v.shape[-1]])
         bucket_lse.append(lse)
 
     like = q[:, :, 0]
