@@ -558,3 +558,50 @@ def test_linear_passes_and_their_gradients(name):
         torch.testing.assert_close(gx, torch.einsum("ab,ahd->bhd", dense, g), rtol=0, atol=1e-12)
         assert torch.autograd.gradcheck(fn, (x,))
         assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+# leaf families of sizes 2, 3, 2, 3 (each size's two families apart in leaf order), and
+# internal families likewise: buckets that read by index, two per size
+INTERLEAVED_LEAF_FAMILIES = [-1, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4]
+INTERLEAVED_INTERNAL_FAMILIES = [-1, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4] + [
+    node for node in range(5, 15) for _ in range(2)]
+
+
+@pytest.mark.parametrize("parent, shared", [
+    (INTERLEAVED_LEAF_FAMILIES, "leaf"), (INTERLEAVED_INTERNAL_FAMILIES, "internal"),
+    (HAND_MADE["ragged_leaf_families"], None), (HAND_MADE["mixed_families"], None),
+    (HAND_MADE["caterpillar"], None)])
+def test_gather_buckets_equals_gather_bucket(parent, shared):
+    """gather_buckets (one shared gather per source for index-read buckets where autograd
+    records) gives every bucket's gather_bucket, values and gradients."""
+    s = TreeStructure.from_parent(torch.tensor(parent))
+    assert [kind for kind, *_ in s.shared_gathers] == ([shared] if shared else [])
+    gen = torch.Generator().manual_seed(3)
+    leaf = torch.randn(s.num_leaves, 2, 3, dtype=DT, generator=gen, requires_grad=True)
+    inner = torch.randn(s.num_internal + 1, 2, 3, dtype=DT, generator=gen, requires_grad=True)
+    together = list(s.gather_buckets(leaf, inner))
+    alone = [s.gather_bucket(b, leaf, inner) for b in s.buckets]
+    assert len(together) == len(alone) == len(s.buckets)
+    weights = [torch.randn(t.shape, dtype=DT, generator=gen) for t in alone]
+    grads = []
+    for parts in (together, alone):
+        loss = sum((p * w).sum() for p, w in zip(parts, weights))
+        grads.append(torch.autograd.grad(loss, (leaf, inner), allow_unused=True))
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(*grads):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_chain_runs():
+    """Runs of one-node internal levels (their passes are one cumulative sum)."""
+    assert TreeStructure.from_parent(torch.tensor(HAND_MADE["chain"])).chain_runs == ((0, 3),)
+    cat = TreeStructure.from_parent(torch.tensor(HAND_MADE["caterpillar"]))
+    assert cat.chain_runs == ((0, 3),)
+    assert TreeStructure.from_parent(torch.tensor(HAND_MADE["two_levels"])).chain_runs == ()
+    # root, one unary node, then a level of two: the run is levels 0..1 only
+    assert TreeStructure.from_parent(torch.tensor([-1, 0, 1, 1, 2, 2, 3, 3])).chain_runs == (
+        (0, 1),)
