@@ -365,15 +365,18 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     """
     n = st.num_leaves
     need_means = means or any(b.internal_slot.numel() for b in st.buckets)
-    # Without positions the bucket holding every leaf reads q, k, v themselves (views):
-    # it runs first and hands the subtree means their leaf sums (see _FamilyAttention)
-    whole = st.whole_leaf_bucket if pos is None and v is not None else None
+    # Where autograd records and there are no positions, the bucket holding every leaf
+    # (it reads q, k, v themselves, as views) runs first and hands the subtree means
+    # their leaf sums, whose gradients then join its own (see _FamilyAttention); without
+    # autograd the means sum the leaves straight into their buffer
+    fuse = records_grad(q, k, v) and pos is None and v is not None and need_means
+    whole = st.whole_leaf_bucket if fuse else None
     first = {}
     if whole is not None:
         bucket = st.buckets[whole]
         first[whole] = _FamilyAttention.apply(
             *(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)),
-            _bucket_bias(bucket, include_self, q.dtype), scale, need_means)
+            _bucket_bias(bucket, include_self, q.dtype), scale, True)
     rq = rk = rv = None
     if need_means:
         rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]),
