@@ -93,8 +93,10 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
     small GEMM per family on the token-major strides and cost several times more.
 
     Args:
-        q, k, v, bias, scale: as :func:`cpu_flash_attention`; out, lse: its results;
-        d_out ``[F, H, b, Dv]``, d_lse ``[F, H, b]`` (``None``: zero): their gradients.
+        q, k, v, bias, scale: as for :func:`cpu_flash_attention`.
+        out, lse: its two results.
+        d_out, d_lse: their gradients, ``[F, H, b, Dv]`` and ``[F, H, b]`` (``d_lse``
+            may be ``None``, read as zero).
 
     Returns:
         ``(dq, dk, dv)`` shaped as ``q, k, v``, or ``None``.
