@@ -1051,11 +1051,17 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
     bucket_key = padded * 2 + (internal_members[fam] == 0).long()
 
     node_size = torch.cat([torch.ones(n, dtype=torch.float64, device=device), size[:i]])
+    # Members grouped by bucket (a stable sort keeps (family, index) order inside each):
+    # every bucket is a slice, not a mask over all members
+    by_bucket = torch.sort(bucket_key, stable=True)
+    members, fam, position = (t[by_bucket.indices] for t in (members, fam, position))
+    keys, lengths = torch.unique_consecutive(by_bucket.values, return_counts=True)
     buckets = []
-    for key in torch.unique(bucket_key).tolist():
+    lo = 0
+    for key, length in zip(keys.tolist(), lengths.tolist()):
         b = key // 2
-        in_bucket = bucket_key == key
-        b_members, b_fam, b_pos = members[in_bucket], fam[in_bucket], position[in_bucket]
+        b_members, b_fam, b_pos = (t[lo:lo + length] for t in (members, fam, position))
+        lo += length
         # families of this bucket, in order of their first member
         fam_ids, fam_rank = torch.unique_consecutive(b_fam, return_inverse=True)
         num_fam = fam_ids.numel()
@@ -1063,9 +1069,16 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
         log_size = torch.full((num_fam * b,), float("-inf"), dtype=torch.float64, device=device)
         log_size[slot] = node_size[b_members].log()
         is_leaf = b_members < n
-        leaf_slot, leaf_src = slot[is_leaf], b_members[is_leaf]
-        internal_slot, internal_src = slot[~is_leaf], b_members[~is_leaf] - n
         only_leaves, only_internal = bool(is_leaf.all()), not bool(is_leaf.any())
+        if only_leaves:  # the common buckets need no masks
+            leaf_slot, leaf_src = slot, b_members
+            internal_slot, internal_src = slot[:0], b_members[:0]
+        elif only_internal:
+            leaf_slot, leaf_src = slot[:0], b_members[:0]
+            internal_slot, internal_src = slot, b_members - n
+        else:
+            leaf_slot, leaf_src = slot[is_leaf], b_members[is_leaf]
+            internal_slot, internal_src = slot[~is_leaf], b_members[~is_leaf] - n
         full = b_members.numel() == num_fam * b
         leaf_range = internal_range = leaf_block = leaf_gather = internal_gather = None
         if full and only_leaves and _is_arange(leaf_src, leaf_slot):
