@@ -566,7 +566,8 @@ class TreeStructure:
         one) to add into, in place, instead of a new tensor. ``family_sums``: those sums
         already formed over the families of the :attr:`whole_leaf_bucket` (``[F, ...]``),
         placed instead of summing ``leaf_values``."""
-        if out is None:
+        fresh = out is None
+        if fresh:
             out = leaf_values.new_zeros((self.num_internal + 1, *leaf_values.shape[1:]))
         whole = self.whole_leaf_bucket
         if family_sums is not None and whole is None:
@@ -578,7 +579,7 @@ class TreeStructure:
             if family_sums is not None:
                 if rows is None:
                     return out.index_copy_(0, whole.parent, family_sums)
-                if records_grad(family_sums):  # a cat's backward is views of its gradient
+                if fresh and records_grad(family_sums):  # a cat's backward is views
                     return torch.cat([out[:rows[0]], family_sums, out[rows[1]:]])
                 out[rows[0]:rows[1]].copy_(family_sums)
                 return out

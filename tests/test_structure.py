@@ -605,3 +605,18 @@ def test_chain_runs():
     # root, one unary node, then a level of two: the run is levels 0..1 only
     assert TreeStructure.from_parent(torch.tensor([-1, 0, 1, 1, 2, 2, 3, 3])).chain_runs == (
         (0, 1),)
+
+
+def test_to_internal_family_sums_honour_out():
+    """Sums handed in (``family_sums``) land where summing the leaves would: in ``out``
+    when one is given (also while autograd records), else in a new tensor."""
+    s = TreeStructure.from_parent(torch.tensor(HAND_MADE["equal_leaf_families"]))
+    whole = s.buckets[s.whole_leaf_bucket]
+    leaf = torch.randn(s.num_leaves, 3, dtype=DT, requires_grad=True)
+    sums = leaf.view(whole.num_families, whole.size, 3).sum(1)
+    expected = s.to_internal(leaf.detach())
+    torch.testing.assert_close(s.to_internal(leaf, family_sums=sums), expected)
+    out = torch.zeros(s.num_internal + 1, 3, dtype=DT)
+    result = s.to_internal(leaf, out=out, family_sums=sums)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, expected)
