@@ -215,6 +215,7 @@ class CausalTiles:
         slot_before: ``[R * T]`` the slot holding the row just before :math:`S`'s first
             leaf, where that row is in the same family (``slot_has_before``), else 0:
             sums over :math:`S` up to :math:`i` are family prefix sums minus this one.
+        slot_is_real: ``[R * T]`` whether a slot holds a leaf row (``False`` on padding).
         rows: ``(lo, hi)`` when the slots are exactly the leaf rows ``lo .. hi - 1`` in
             order (no gather needed), else ``None``.
         member_rows: ``(lo, hi)`` when ``members`` is exactly the unified ids
@@ -238,6 +239,7 @@ class CausalTiles:
     slot_count_parent: Tensor
     slot_before: Tensor
     slot_has_before: Tensor
+    slot_is_real: Tensor
     rows: Optional[Tuple[int, int]]
     member_rows: Optional[Tuple[int, int]]
     slots_are_members: bool
@@ -1239,8 +1241,8 @@ def _tile_group(members: Tensor, first: Tensor, fam_first: Tensor, fam_last: Ten
         slot_index=(tile_family[:, None] * b + p).flatten(), slot_pos=p.flatten(),
         slot_count=count.flatten(), slot_count_parent=count_parent.flatten(),
         slot_before=torch.where(has_before, before, 0).flatten(),
-        slot_has_before=has_before.flatten(), rows=rows, member_rows=member_rows,
-        slots_are_members=slots_are_members)
+        slot_has_before=has_before.flatten(), slot_is_real=real.flatten(), rows=rows,
+        member_rows=member_rows, slots_are_members=slots_are_members)
     return group, real.flatten()
 
 

@@ -46,16 +46,23 @@ partial: one step per depth, vectorised over all queries, computes for the spine
         \mathrm{logaddexp}(\lambda(C), \eta_i(C)) + n_i(S)\,
         \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))\Big),
 
-where :math:`F(C, p) = \log \sum_{B < p, B \ne C} n(B) e^{z(C, B)}` is one exclusive
-log-cumsum-exp per family. The step runs on the tiles of
+where :math:`F(C, p) = \log \sum_{B < p, B \ne C} n(B) e^{z(C, B)}`. The terms of
+the complete siblings hold no query but for :math:`z(C, S_i)`:
+:math:`\mathrm{logaddexp}(\lambda(C), F(C, p))` is one exclusive log-cumsum-exp per
+family over the member logits with :math:`\lambda(C)` on the diagonal (a scan by
+doubling, which reads only :math:`B < p` even in its rounding). The step runs on the
+tiles of
 :attr:`TreeStructure.causal_plan <hsa_graph.TreeStructure.causal_plan>`: the queries
 under one family, cut into runs of consecutive leaf rows, share that family's members,
 so each product is one batched matmul ``[T, D] x [D, b]`` per tile. The logits of the
 partial :math:`S_i` are linear in its leaves, so they are running sums of per-leaf
 logits ``[T, b]`` within each family (restarted at :math:`S`'s first leaf), never
 per-query copies of the members. Work :math:`O(N \cdot \mathrm{depth} \cdot b \cdot D)`
-plus :math:`O(M b^2)` for the family tables. :class:`~hsa_graph.ops.cache.HSACache`
-takes the same step for one new token (:func:`~hsa_graph.ops.cache.spine_step`).
+plus :math:`O(M b^2 \log b)` for the family tables. Without autograd the heads run in
+chunks whose ``[heads, N, b]`` intermediates are a few MiB, updated in place, and the
+leaf rows are read where they lie (no head-major copies of ``q, k, v``).
+:class:`~hsa_graph.ops.cache.HSACache` takes the same step for one new token
+(:func:`~hsa_graph.ops.cache.spine_step`).
 """
 from __future__ import annotations
 
@@ -72,14 +79,28 @@ from .inputs import no_autocast, prepare_attention
 __all__ = ["causal_hsa"]
 
 NEG_INF = float("-inf")
-_FINITE_NEG = -1e30  # stands in for -inf inside logcumsumexp, whose backward NaNs on -inf
+_FINITE_NEG = -1e30  # a finite floor for lambda, so that masked terms are products
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: the one of ``y.sum()`` is
+    an expanded (stride 0) tensor, and CPU batched matmuls over such operands fall back
+    to one small GEMM per matrix (about 10x slower in the spine steps' backward)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 class _FirstOrderOnly(torch.autograd.Function):
     """Identity on the inputs of :func:`causal_hsa` that refuses ``create_graph=True``:
-    the prefix log-cumsum-exp of the family tables has a NaN second derivative (its
-    ``-inf`` entries stand in as ``-1e30``), so a double backward would be silently
-    wrong rather than fail."""
+    the backward of the family tables' scan (:class:`_LogCumSumExp`) updates buffers
+    in place and is first-order only, so a double backward would be silently wrong
+    rather than fail."""
 
     @staticmethod
     def forward(ctx, *tensors: Tensor):
@@ -95,19 +116,78 @@ class _FirstOrderOnly(torch.autograd.Function):
         return grads
 
 
-def _masked_softmax(x: Tensor, valid: Tensor) -> Tuple[Tensor, Tensor]:
-    """Log-normaliser ``[...]`` and softmax weights ``[..., b]`` of the ``valid``
-    entries of the last dim; ``-inf`` and zero weights (zero gradients) for rows
-    without one. The mask enters as an additive ``0 / -inf`` bias (boolean
-    ``masked_fill`` is several times slower on CPU than an add)."""
-    any_valid = valid.any(-1, keepdim=True)
-    # rows without a valid entry get a zero bias (a finite logsumexp, no NaN gradient)
-    bias = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(
-        ~(valid | ~any_valid), NEG_INF)
-    safe = x + bias
-    lse = torch.logsumexp(safe, -1, keepdim=True)
-    weights = torch.exp(safe - lse) * any_valid.to(x.dtype)
-    return lse.squeeze(-1).masked_fill(~any_valid.squeeze(-1), NEG_INF), weights
+def _update(x: Tensor, recording: bool, name: str, *args, **kwargs) -> Tensor:
+    """``x.name(*args)``, in place (``name_``) unless autograd records: without autograd
+    every full-size intermediate is reused instead of allocated anew (a fresh buffer of
+    32 MiB or more is a fresh mapping whose pages fault in on first touch); with it,
+    an in-place op on a view would make the backward clone the whole base."""
+    return getattr(x, name)(*args, **kwargs) if recording else getattr(x, name + "_")(
+        *args, **kwargs)
+
+
+def _softmax(row: Tensor, recording: bool, dim: int = -1) -> Tuple[Tensor, Tensor]:
+    """Log-normaliser (``dim`` reduced) and softmax weights over ``dim``; without
+    autograd in place on ``row`` (which becomes the weights)."""
+    if recording:
+        return torch.logsumexp(row, dim), torch.softmax(row, dim)
+    top = row.amax(dim, keepdim=True)
+    weights = row.sub_(top).exp_()
+    total = weights.sum(dim, keepdim=True)
+    return (top + total.log()).squeeze(dim), weights.div_(total)
+
+
+def _logcumsumexp(z: Tensor, recording: bool) -> Tensor:
+    r"""Inclusive log-cumsum-exp over dim ``-2`` by doubling (Hillis-Steele), as
+    :math:`\lceil \log_2 b \rceil` log-add-exps of shifted slices: entry ``p`` reads
+    entries ``<= p`` only, even in its rounding (a row max shift would let later leaves
+    change earlier outputs in the last bit), and ``-inf`` entries stay exact. Over dim
+    ``-2`` every slice is whole contiguous rows: on CPU about 5x faster than slices of
+    the last dim, and 2.5x faster than ``torch.logcumsumexp``. ``z`` is never written.
+    With autograd, :class:`_LogCumSumExp` (its backward is a scan as well)."""
+    if recording:
+        return _LogCumSumExp.apply(z)
+    b, step = z.shape[-2], 1
+    out, spare = z, None
+    while step < b:
+        target = torch.empty_like(z) if spare is None or spare is z else spare
+        target[..., :step, :] = out[..., :step, :]
+        torch.logaddexp(out[..., step:, :], out[..., :-step, :], out=target[..., step:, :])
+        out, spare = target, out
+        step *= 2
+    return out if out is not z else z.clone()
+
+
+class _LogCumSumExp(torch.autograd.Function):
+    r""":func:`_logcumsumexp` with a backward that is a scan too: for
+    :math:`o_p = \log\sum_{B \le p} e^{x_B}`,
+
+    .. math::
+        \frac{\partial L}{\partial x_B} = e^{x_B - o_B} R_B, \qquad
+        R_B = g_B + e^{o_B - o_{B+1}} R_{B+1},
+
+    a reverse linear recurrence whose factors are at most 1 (:math:`o` never falls),
+    run by doubling; ``-inf`` entries get zero gradients. (Autograd through the
+    forward's slices would zero-fill a full-size gradient for every slice.)"""
+
+    @staticmethod
+    def forward(ctx, z: Tensor) -> Tensor:
+        out = _logcumsumexp(z, False)
+        ctx.save_for_backward(z, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        z, out = ctx.saved_tensors
+        b, step = out.shape[-2], 1
+        decay = torch.exp(out[..., :-1, :] - out[..., 1:, :]).nan_to_num_(0.0)  # [.., b-1, .]
+        run = grad.clone(memory_format=torch.contiguous_format)
+        while step < b:
+            # R_B += A_B R_{B+s}, A_B *= A_{B+s}: A_B the product of the next s factors
+            run[..., :-step, :] += decay[..., :b - step, :] * run[..., step:, :]
+            if 2 * step < b:
+                decay = decay[..., :b - 2 * step, :] * decay[..., step:b - step, :]
+            step *= 2
+        return torch.exp(z - out).nan_to_num_(0.0).mul_(run)
 
 
 def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
@@ -163,7 +243,7 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
     with no_autocast(x.device):
         y = _causal_hsa(x.structure, plan, q, k, v, x.include_self, x.scale, pos)
-    return x.finish(y)
+    return x.finish(_DenseGrad.apply(y) if y.requires_grad else y)
 
 
 def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale: float,
@@ -196,12 +276,13 @@ def _internal_lam(st: TreeStructure, stats, size: Tensor) -> Tensor:
 class NodeTables:
     r"""Head-major per-node quantities of the full tree that the spine steps read.
 
-    Leaf and internal rows are kept apart, each contiguous ``[H, rows, ...]``: a slice
-    of either merges its head and tile axes into one batch axis, so batched matmuls
-    read it in place. :meth:`members` reads unified node ids (``M``: padding).
+    Leaf rows are the caller's token-major ``q, k, v`` seen as ``[H, N, D]`` (no copy: a
+    tile's rows are a strided matrix that :func:`_per_head_bmm` reads in place);
+    internal rows are contiguous ``[H, I + 1, ...]``. :meth:`members` reads unified
+    node ids (``M``: padding).
 
     Attributes:
-        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]``.
+        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]`` views.
         internal: ``(r_q, r_k, r_v)`` subtree means ``[H, I + 1, ...]`` (null row last,
             zero: what padding members read).
         lam: ``[H, M + 1]`` :math:`\lambda` of every node (padding row last).
@@ -222,7 +303,9 @@ class NodeTables:
         leaf, internal = self.leaf[which], self.internal[which]
         n = leaf.shape[1]
         f, b = g.members.shape
-        if g.member_rows is not None and g.member_rows[1] <= n:
+        if g.member_rows == (0, n):
+            out = leaf          # no slice: its backward would zero-fill a whole gradient
+        elif g.member_rows is not None and g.member_rows[1] <= n:
             out = leaf[:, g.member_rows[0]:g.member_rows[1]]
         elif g.member_rows is not None and g.member_rows[0] >= n:
             out = internal[:, g.member_rows[0] - n:g.member_rows[1] - n]
@@ -233,21 +316,36 @@ class NodeTables:
             out = self._unified[which].index_select(1, g.members.flatten())
         return out.reshape(out.shape[0], f, b, *out.shape[2:])
 
+    def heads(self, lo: int, hi: int) -> NodeTables:
+        """The tables of heads ``lo .. hi - 1`` (views; positions shared by all heads
+        stay whole)."""
+        if (lo, hi) == (0, self.lam.shape[0]):
+            return self
+        pos = self.pos if self.pos is None or self.pos.shape[0] == 1 else self.pos[lo:hi]
+        return NodeTables(leaf=tuple(t[lo:hi] for t in self.leaf),
+                          internal=tuple(t[lo:hi] for t in self.internal),
+                          lam=self.lam[lo:hi], size=self.size, log_size=self.log_size,
+                          pos=pos)
+
 
 @dataclass(frozen=True)
 class SpineStep:
     r"""One depth of the spine recursion for the slots of a :class:`CausalTiles` group:
-    :math:`\lambda_i(A)` ``[H, slots]``, what each query carries up to the next depth,
-    and :math:`\log\mu_i(S)` ``[H, slots]`` and :math:`\bar\theta_i(S)`
-    ``[H, slots, Dv]`` for the top-down pass."""
+    :math:`\lambda_i(A)` ``[H, slots]`` (what each query carries up to the next depth),
+    :math:`\log\mu_i(S)` ``[H, slots]``, and the softmax of :math:`S_i` over its left
+    siblings, ``weights`` ``[H, R, T, b]`` against their ``values`` :math:`r_v`
+    ``[H, R, b, Dv]``: :math:`\bar\theta_i(S)` is their product, which the top-down pass
+    forms already scaled by the query's share."""
 
     lam: Tensor
     log_mu: Tensor
-    theta_bar: Tensor
+    weights: Tensor
+    values: Tensor
 
 
 def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
-                 include_self: bool, scale: float, pos: Optional[Tensor]) -> NodeTables:
+                 include_self: bool, scale: float, pos: Optional[Tensor],
+                 recording: bool) -> NodeTables:
     size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
     lam = torch.cat([_leaf_lam(st, q, k, include_self, scale, pos),
                      _internal_lam(st, stats, size)])
@@ -261,52 +359,47 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
         p = p.unsqueeze(1) if p.dim() == 2 else p
         node_pos = head_major(torch.cat([p, p.new_zeros((1, *p.shape[1:]))]))
     log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
-    return NodeTables(leaf=(head_major(q), head_major(k), head_major(v)),
+    # without autograd the leaf rows are read in place; with it, contiguous head-major
+    # copies keep every product (and its backward) one batched matmul
+    leaf = tuple(head_major(t) if recording else t.transpose(0, 1) for t in (q, k, v))
+    return NodeTables(leaf=leaf,
                       internal=(head_major(stats.rq), head_major(stats.rk),
                                 head_major(stats.rv)),
                       lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
 
 
-def _family_position_table(t: Tensor) -> Tensor:
-    """``[H, F, p, ...]`` per-family, per-position values -> ``[H, F * b, ...]`` rows,
-    read per slot with :attr:`CausalTiles.slot_index`."""
-    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
-
-
-def _matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``[H, R, ., .]`` operands. Slices of the head-major node tables have
-    batch axes ``H, R`` that do not merge into one, so ``torch.matmul`` would copy them
-    whole; one batched matmul per head reads them in place."""
+def _per_head_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``[H, R, ., .]`` operands of any strides (a head axis of size 1
+    broadcasts). Where both merge their two batch axes into one, one batched matmul;
+    else one per head, which reads strided rows in place (the token-major leaf rows,
+    ``H * D`` apart): ``torch.matmul`` would copy them whole first."""
     def merges(t: Tensor) -> bool:
         return t.stride(0) == t.shape[1] * t.stride(1) or t.shape[1] == 1
-    if merges(a) and merges(b):
+    if a.shape[0] == b.shape[0] and merges(a) and merges(b):
         return torch.matmul(a, b)
     heads = max(a.shape[0], b.shape[0])
     a, b = a.expand(heads, *a.shape[1:]), b.expand(heads, *b.shape[1:])
-    return torch.stack([torch.matmul(x, y) for x, y in zip(a, b)])
+    return torch.stack([torch.bmm(x, y) for x, y in zip(a, b)])
 
 
-def _exclusive_logcumsumexp(z: Tensor) -> Tensor:
-    r"""``F[..., C, p] = log sum_{B < p} e^{z[..., C, B]}`` (``-inf`` for an empty sum).
-    A scan, so that ``F(C, p)`` reads only ``B < p`` even in its rounding (a row max
-    shift would let later leaves change earlier outputs in the last bit)."""
-    finite = torch.isfinite(z)
-    run = torch.logcumsumexp(z.masked_fill(~finite, _FINITE_NEG), -1)
-    run = torch.cat([run.new_full((*run.shape[:-1], 1), _FINITE_NEG), run[..., :-1]], -1)
-    return run.masked_fill(run < _FINITE_NEG / 2, NEG_INF)
-
-
-def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, pos_dots: Optional[Tensor],
-                   scale: float) -> Tensor:
-    r"""``[H, F, b, b]`` :math:`z(C, B) + \log n(B)` among each family's members
+def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, lam_m: Tensor,
+                   pos_dots: Optional[Tensor], scale: float, recording: bool) -> Tensor:
+    r"""``[H, F, B, C]``: :math:`z(C, B) + \log n(B)` among each family's members
     (:math:`z = s\langle r_q(C), r_k(B)\rangle + \langle\varepsilon(C),
-    \varepsilon(B)\rangle`), ``-inf`` on the diagonal and on padding keys."""
+    \varepsilon(B)\rangle`), keys along dim ``-2`` (the scans run over whole rows),
+    ``-inf`` on padding keys, and :math:`\lambda(C)` on the diagonal: a scan over
+    :math:`B < p` of column :math:`C` then holds :math:`\log(e^{\lambda(C)} +
+    \sum_{B < p, B \ne C} n(B) e^{z(C, B)})` wherever :math:`C < p`, and the query
+    rows never read the diagonal (their keys are :math:`B < p`)."""
     # in place on the product, which no backward reads
-    z = _matmul(mq, mk.transpose(-1, -2)).mul_(scale).add_(log_n[:, None, :])
+    zt = _per_head_bmm(mk, mq.transpose(-1, -2)).mul_(scale).add_(log_n[:, :, None])
     if pos_dots is not None:
-        z = z.add_(pos_dots)
-    b = z.shape[-1]
-    return z.masked_fill_(torch.eye(b, dtype=torch.bool, device=z.device), NEG_INF)
+        zt = zt.add_(pos_dots)                              # symmetric
+    if recording:
+        eye = torch.eye(zt.shape[-1], dtype=torch.bool, device=zt.device)
+        return torch.where(eye, lam_m[..., None, :], zt)
+    zt.diagonal(0, -2, -1).copy_(lam_m)
+    return zt
 
 
 class _TileView:
@@ -326,8 +419,12 @@ class _TileView:
 
     def slots(self, table: Tensor) -> Tensor:            # [H, N, ...] -> [H, R, T, ...]
         g = self.g
-        out = table[:, g.rows[0]:g.rows[1]] if g.rows is not None else (
-            table.index_select(1, g.slot_row))
+        if g.rows == (0, table.shape[1]):
+            out = table         # no slice: its backward would zero-fill a whole gradient
+        elif g.rows is not None:
+            out = table[:, g.rows[0]:g.rows[1]]
+        else:
+            out = table.index_select(1, g.slot_row)
         return out.reshape(table.shape[0], self.r, self.t, *table.shape[2:])
 
     def per_slot(self, table: Tensor) -> Tensor:         # [H, F, b, ...] -> [H, R, T, ...]
@@ -339,8 +436,51 @@ class _TileView:
         return x.reshape(x.shape[0], self.r * self.t, *x.shape[3:])
 
 
-def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
-                leaf_k: Tensor, scale: float) -> SpineStep:
+@dataclass(frozen=True)
+class SlotTables:
+    r"""What a :class:`CausalTiles` group's spine step reads that holds no input (the
+    same for every head; built once per call, not per head chunk).
+
+    Attributes:
+        row_bias: ``[R, T, b]`` :math:`\log n(B)` on the left siblings :math:`B < p`,
+            ``-inf`` on the rest, 0 on rows without any (their softmax is unused, its
+            share exactly 0), so that no row is all ``-inf``; ``[b, b]`` (keys along
+            dim ``-2``) for a group whose slots are its members.
+        weight: ``[R, T, b]`` :math:`n(C)` on the left siblings, 0 elsewhere
+            (``[p, C]`` for members).
+        has_left: ``[R, T]`` whether :math:`p > 0`.
+        count, parent_count: ``[R, T]`` :math:`n_i(S)`, :math:`n_i(A)`.
+    """
+
+    row_bias: Tensor
+    weight: Tensor
+    has_left: Tensor
+    count: Tensor
+    parent_count: Tensor
+
+
+def _slot_tables(g: CausalTiles, nodes: NodeTables, dtype: torch.dtype) -> SlotTables:
+    b, r, t, dev = g.size, g.num_tiles, g.tile, g.members.device
+    has_left = (g.slot_pos > 0).view(r, t)
+    parent_count = g.slot_count_parent.to(dtype).view(r, t)
+    if g.slots_are_members:
+        left = torch.ones(b, b, dtype=torch.bool, device=dev).tril(-1)       # [p, C]: C < p
+        row_bias = torch.zeros(b, b, dtype=dtype, device=dev).masked_fill_(~left.t(),
+                                                                             NEG_INF)
+        row_bias[:, 0] = 0.0
+        return SlotTables(row_bias=row_bias, weight=left.to(dtype), has_left=has_left,
+                          count=parent_count.new_ones(()), parent_count=parent_count)
+    view = _TileView(g)
+    valid = torch.arange(b, device=dev) < g.slot_pos.view(r, t, 1)          # [R, T, b]
+    log_n = view.per_tile(nodes.log_size[g.members][None])[0][:, None, :]
+    row_bias = torch.where(valid, log_n, NEG_INF).masked_fill_(~has_left[..., None], 0.0)
+    size = view.per_tile(nodes.size[g.members][None])[0][:, None, :]
+    return SlotTables(row_bias=row_bias, weight=size * valid.to(dtype), has_left=has_left,
+                      count=g.slot_count.to(dtype).view(r, t), parent_count=parent_count)
+
+
+def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tensor,
+                leaf_q: Tensor, leaf_k: Tensor, scale: float, recording: bool) -> SpineStep:
     r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
     module docstring): for query :math:`i` with spine child :math:`S` at position
     :math:`p` of its family,
@@ -350,91 +490,103 @@ def _spine_step(g: CausalTiles, nodes: NodeTables, lam: Tensor, leaf_q: Tensor,
             + \langle\varepsilon(S), \varepsilon(B)\rangle + \log n(B), \\
         \eta_i(S) &= \mathrm{logsumexp}_{B < p}\, z(S_i, B), \qquad
         \bar\theta_i(S) = \mathrm{softmax}_{B < p}(z(S_i, \cdot))\, r_v, \\
-        \eta_i(C) &= \mathrm{logaddexp}\big(F(C, p),\ z(C, S_i) + \log n_i(S)\big),\\
         \lambda_i(A) &= \tfrac{1}{n_i(A)}\Big(\textstyle\sum_{C < p} n(C)\,
-            \mathrm{logaddexp}(\lambda(C), \eta_i(C))
+            \mathrm{logaddexp}\big(K(C, p),\ z(C, S_i) + \log n_i(S)\big)
             + n_i(S)\,\mathrm{logaddexp}(\lambda_i(S), \eta_i(S))\Big),
 
     where :math:`\Sigma_q(S_i)` sums ``q`` over the leaves of :math:`S` up to :math:`i`
-    and :math:`F(C, p) = \log\sum_{B < p, B \ne C} n(B) e^{z(C, B)}`; and
-    :math:`\log\mu_i(S) = \lambda_i(S) - \mathrm{logaddexp}(\lambda_i(S),
-    \eta_i(S))`. All queries of a tile share one family, so each product is one
-    batched matmul ``[T, D] x [D, b]`` per tile, never a per-query gather of members.
+    and :math:`K(C, p) = \mathrm{logaddexp}(\lambda(C), F(C, p))` with
+    :math:`F(C, p) = \log\sum_{B < p, B \ne C} n(B) e^{z(C, B)}` is one table per
+    family (it holds no query); and :math:`\log\mu_i(S) = \lambda_i(S) -
+    \mathrm{logaddexp}(\lambda_i(S), \eta_i(S))`. All queries of a tile share one
+    family, so each product is one batched matmul ``[T, D] x [D, b]`` per tile, never a
+    per-query gather of members. Without autograd every ``[H, R, T, b]`` intermediate
+    after the products is updated in place.
     """
-    b, r, t = g.size, g.num_tiles, g.tile
+    b = g.size
     view = _TileView(g)
-    member_table, per_tile, slots, per_slot, flat = (
-        view.member_table, view.per_tile, view.slots, view.per_slot, view.flat)
     mq, mk, mv = nodes.members(0, g), nodes.members(1, g), nodes.members(2, g)
-    log_n, size_m = nodes.log_size[g.members], nodes.size[g.members]        # [F, b]
+    log_n = nodes.log_size[g.members]                                       # [F, b]
     pos_dots = None
     if nodes.pos is not None:
-        mp = member_table(nodes.pos)
+        mp = view.member_table(nodes.pos)
         pos_dots = torch.matmul(mp, mp.transpose(-1, -2))                  # [H', F, b, b]
-    z = _member_logits(mq, mk, log_n, pos_dots, scale)
-    fixed = _exclusive_logcumsumexp(z).transpose(-1, -2)                    # [H, F, p, C]
-    valid = torch.arange(b, device=z.device) < g.slot_pos.view(r, t, 1)    # [R, T, b]
-    lam_s = slots(lam)
-    if g.slots_are_members:
-        # S_i is the leaf i = member p itself: z already holds both directions
-        count = None
-        row = z
-    else:
-        fixed = per_slot(fixed)
-        count = g.slot_count.to(mq.dtype).view(r, t)
-        per_count = (scale / count).unsqueeze(-1)                           # [R, T, 1]
-        # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of
-        # <q_j, r_k(B)>: running sums of [T, b] logits, not of [T, D] vectors
-        # in place on the running sums, which no backward reads
-        row = (_spine_sums(g, _matmul(slots(leaf_q), per_tile(mk).transpose(-1, -2)))
-               .mul_(per_count).add_(per_tile(log_n[None])[0][:, None, :]))
-        col = (_spine_sums(g, _matmul(slots(leaf_k), per_tile(mq).transpose(-1, -2)))
-               .mul_(per_count).add_(count.log()[..., None]))
-        if pos_dots is not None:
-            dots = per_slot(pos_dots)
-            row, col = row.add_(dots), col.add_(dots)
-    eta_s, weights = _masked_softmax(row, valid)
-    theta_bar = _matmul(weights, per_tile(mv))                             # [H, R, T, Dv]
-    # entries outside ``valid`` (the diagonal, right siblings, padding) may be -inf
-    # pairs: _logaddexp gives them zero gradients, and the where drops them
     # lam(C) floored at a finite -1e30 (the same logaddexp wherever the rest is finite,
-    # as on every valid entry) keeps every term finite, so the mask is a product
-    lam_m = per_tile(member_table(nodes.lam)).clamp_min(_FINITE_NEG)
-    weight = per_tile(size_m[None])[0][:, None, :] * valid.to(z.dtype)       # [R, T, b]
+    # as on every entry that counts) keeps every term finite, so masks are products
+    lam_m = view.member_table(nodes.lam).clamp_min(_FINITE_NEG)            # [H, F, C]
+    zt = _member_logits(mq, mk, log_n, lam_m, pos_dots, scale, recording)  # [H, F, B, C]
+    lam_s = view.slots(lam)                                                 # [H, R, T]
     if g.slots_are_members:
-        # in z's own [C, p] layout (contiguous; the [p, C] views are transposes)
-        term = _logaddexp(lam_m[..., None], _logaddexp(fixed.transpose(-1, -2), z))
-        total = (term * weight.transpose(-1, -2)).sum(-2)
-    else:
-        term = _logaddexp(lam_m[:, :, None, :], _logaddexp(fixed, col))
-        total = (term * weight).sum(-1)
+        return _member_step(g, consts, zt, lam_s, mv, recording)
+    # K(C, p): the exclusive scan over B < p (lam(C) enters as the diagonal B = C < p)
+    kept = _logcumsumexp(zt, recording)[..., :-1, :]                        # [H, F, p-1, C]
+    kept = view.per_slot(torch.cat([kept.new_full((*kept.shape[:-2], 1, b), NEG_INF),
+                                    kept], -2))                             # [H, R, T, C]
+    count = consts.count
+    per_count = (scale / count).unsqueeze(-1)                              # [R, T, 1]
+    # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of <q_j, r_k(B)>:
+    # running sums of [T, b] logits, not of [T, D] vectors
+    row = _spine_sums(g, _per_head_bmm(view.slots(leaf_q), view.per_tile(mk).transpose(
+        -1, -2)), recording)
+    row = _update(_update(row, recording, "mul", per_count), recording, "add",
+                  consts.row_bias)
+    col = _spine_sums(g, _per_head_bmm(view.slots(leaf_k), view.per_tile(mq).transpose(
+        -1, -2)), recording)
+    col = _update(_update(col, recording, "mul", per_count), recording, "add",
+                  count.log()[..., None])
+    if pos_dots is not None:
+        dots = view.per_slot(pos_dots)
+        row, col = _update(row, recording, "add", dots), _update(col, recording, "add", dots)
+    eta_s, weights = _softmax(row, recording)
+    eta_s = eta_s.masked_fill(~consts.has_left, NEG_INF)
+    term = _logaddexp(kept, col) if recording else torch.logaddexp(kept, col, out=col)
+    total = _update(term, recording, "mul", consts.weight).sum(-1)        # [H, R, T]
     total_s = _logaddexp(lam_s, eta_s)
-    parent_count = g.slot_count_parent.to(mq.dtype).view(r, t)
-    lam_a = (total + total_s) / parent_count if count is None else (
-        (total + count * total_s) / parent_count)
+    lam_a = (total + count * total_s) / consts.parent_count
+    return SpineStep(lam=view.flat(lam_a), log_mu=view.flat(_log_ratio(lam_s, total_s)),
+                     weights=weights, values=view.per_tile(mv))
+
+
+def _member_step(g: CausalTiles, consts: SlotTables, zt: Tensor, lam_s: Tensor, mv: Tensor,
+                 recording: bool) -> SpineStep:
+    r""":func:`_spine_step` where :math:`S_i` is the leaf :math:`i`, member ``p`` of its
+    family itself (every tile one family of leaves, its slots its members): ``zt``
+    (:func:`_member_logits`) holds both directions, :math:`n_i(S) = 1`, and the term
+    of a left sibling :math:`C` is the inclusive scan of column :math:`C` at
+    :math:`p`."""
+    term = _logcumsumexp(zt, recording)                                    # [H, F, p, C]
+    total = _update(term, recording, "mul", consts.weight).sum(-1)        # [H, F, p]
+    # the query's own row, keys B < p along dim -2; softmax weights [H, F, B, p], read
+    # transposed
+    eta_s, weights = _softmax(_update(zt, recording, "add", consts.row_bias), recording,
+                              dim=-2)
+    eta_s = eta_s.masked_fill(~consts.has_left, NEG_INF)
+    total_s = _logaddexp(lam_s, eta_s)
+    lam_a = (total + total_s) / consts.parent_count
+    flat = _TileView(g).flat
     return SpineStep(lam=flat(lam_a), log_mu=flat(_log_ratio(lam_s, total_s)),
-                     theta_bar=flat(theta_bar))
+                     weights=weights.transpose(-1, -2), values=mv)
 
 
-def _spine_sums(g: CausalTiles, x: Tensor) -> Tensor:
+def _spine_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
     """Per-leaf values ``[H, R, T, b]`` in slot layout -> their sums over the leaves of
     each slot's spine child :math:`S` up to the slot: family prefix sums minus the one
     just before :math:`S`'s first leaf."""
-    run = _tile_prefix_sums(g, x)
+    run = _tile_prefix_sums(g, x, recording)
     h, r, t, b = run.shape
-    flat = run.reshape(h, r * t, b)
+    flat = run.view(h, r * t, b)
+    before = flat.index_select(1, g.slot_before)
     has_before = g.slot_has_before.to(x.dtype).view(1, -1, 1)
-    # in place: nothing saves the prefix sums (cumsum's backward needs no values)
-    return flat.addcmul_(flat.index_select(1, g.slot_before), has_before,
-                         value=-1.0).view(h, r, t, b)
+    return _update(flat, recording, "addcmul", before, has_before, value=-1.0).view(
+        h, r, t, b)
 
 
 _SCAN_BLOCK = 64
 
 
-def _tile_prefix_sums(g: CausalTiles, x: Tensor) -> Tensor:
+def _tile_prefix_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
     """``[H, R, T, X]`` per-row values in slot layout -> their sums over each family's
-    rows up to every slot.
+    rows up to every slot (in place on ``x`` without autograd).
 
     A cumulative sum inside blocks of up to 64 rows (``torch.cumsum`` over a long middle
     axis is several times slower on CPU than over short blocks), plus one carry per
@@ -444,7 +596,7 @@ def _tile_prefix_sums(g: CausalTiles, x: Tensor) -> Tensor:
     h, r, t, d = x.shape
     block = _SCAN_BLOCK if t > _SCAN_BLOCK and t % _SCAN_BLOCK == 0 else t
     blocks = t // block
-    run = torch.cumsum(x.view(h, r, blocks, block, d), 3)              # [H, R, T/B, B, X]
+    run = _update(x.view(h, r, blocks, block, d), recording, "cumsum", 3)
     one_tile_per_family = g.num_tiles == g.members.shape[0]
     if blocks == 1 and one_tile_per_family:
         return run.view(h, r, t, d)
@@ -453,7 +605,7 @@ def _tile_prefix_sums(g: CausalTiles, x: Tensor) -> Tensor:
     first = torch.arange(r, device=x.device) if one_tile_per_family else g.tile_first
     start = (first * blocks).repeat_interleave(blocks)                 # family's first block
     carry = (before - before.index_select(1, start)).to(x.dtype)
-    return run.add_(carry.view(h, r, blocks, 1, d)).view(h, r, t, d)
+    return _update(run, recording, "add", carry.view(h, r, blocks, 1, d)).view(h, r, t, d)
 
 
 def _rows_of(level, parts: List[Tensor], old: Optional[Tensor]) -> Tensor:
@@ -468,38 +620,93 @@ def _rows_of(level, parts: List[Tensor], old: Optional[Tensor]) -> Tensor:
     return torch.where(mask, out, 0.0 if old is None else old)
 
 
+def _add_attention(y: Tensor, g: CausalTiles, weights: Tensor, values: Tensor,
+                   recording: bool) -> Tensor:
+    """``y`` ``[H, N, Dv]`` plus the share-scaled ``weights @ values`` of ``g``'s slots at
+    their leaf rows (padding slots carry zero weights). Without autograd, where the
+    slots are leaf rows in order, the products land in ``y`` in place (no ``[H, N, Dv]``
+    temporary)."""
+    if g.rows is not None and not recording:
+        lo, hi = g.rows
+        for head, (w, x) in enumerate(zip(weights, values)):
+            y[head, lo:hi].view(g.num_tiles, g.tile, -1).baddbmm_(w, x)
+        return y
+    theta = _per_head_bmm(weights, values)                                 # [H, R, T, Dv]
+    theta = theta.view(theta.shape[0], -1, theta.shape[-1])
+    if g.rows == (0, y.shape[1]):
+        return y.add_(theta)
+    return y.index_add_(1, g.slot_row, theta)
+
+
 def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
                 include_self: bool, scale: float, pos: Optional[Tensor],
                 stats: Optional[HSAStatistics] = None) -> Tensor:
     """Causal HSA on prepared ``[N, H, D]`` inputs; ``stats``: the bottom-up pass of the
     same inputs when the caller has it already (the cache's prefill)."""
+    recording = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, pos))
     if stats is None:
         stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
-    nodes = _node_tables(st, stats, q, k, v, include_self, scale, pos)
+    nodes = _node_tables(st, stats, q, k, v, include_self, scale, pos, recording)
+    # heads run in chunks whose [heads, slots, b] intermediates stay small: those are
+    # then reused heap memory, not fresh mappings that fault in page by page
+    widest = max((sum(g.num_tiles * g.tile * g.size for g in level.groups)
+                  for level in plan.levels), default=1)
+    h = q.shape[1]
+    consts = [[_slot_tables(g, nodes, q.dtype) for g in level.groups]
+              for level in plan.levels]
+    # (with autograd one chunk: the backward of each head slice would zero-fill a
+    # gradient of the whole q, k, v)
+    per_chunk = h if recording else max(1, _CHUNK_BYTES // (widest * q.element_size()))
+    chunks = [(lo, min(h, lo + per_chunk)) for lo in range(0, h, per_chunk)]
+    if recording:
+        return torch.cat([_causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,
+                                        scale, recording)
+                          for lo, hi in chunks]).transpose(0, 1)
+    y = torch.empty_like(v)
+    for lo, hi in chunks:
+        y[:, lo:hi] = _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,
+                                    scale, recording).transpose(0, 1)
+    return y
+
+
+_CHUNK_BYTES = 8 << 20
+
+
+def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
+                  nodes: NodeTables, include_self: bool, scale: float,
+                  recording: bool) -> Tensor:
+    """The spine recursion and the top-down pass for the heads of ``nodes``:
+    ``[heads, N, Dv]``, head-major (each head's slots of a tile group are then one
+    contiguous block, which batched matmuls accumulate into in place)."""
     n = st.num_leaves
     (leaf_q, leaf_k, leaf_v), lam = nodes.leaf, nodes.lam[:, :n]
     per_level = []
-    for level in plan.levels:                       # deepest first: bottom-up
-        steps = [_spine_step(g, nodes, lam, leaf_q, leaf_k, scale) for g in level.groups]
+    for level, tables in zip(plan.levels, consts):  # deepest first: bottom-up
+        steps = [_spine_step(g, c, nodes, lam, leaf_q, leaf_k, scale, recording)
+                 for g, c in zip(level.groups, tables)]
         lam = _rows_of(level, [s.lam for s in steps], lam)
-        per_level.append((_rows_of(level, [s.log_mu for s in steps], None),
-                          _rows_of(level, [s.theta_bar for s in steps], None)))
-    # top-down: y = sum over the spine of m(above) (1 - mu) theta_bar, plus m(i) v_i
-    y = None
-    log_m = None
-    for log_mu, theta_bar in reversed(per_level):
-        share = -torch.expm1(log_mu) if log_m is None else log_m.exp() * -torch.expm1(log_mu)
-        # in place after the first level: y is this loop's own tensor and addcmul
-        # saves only its factors, so autograd allows it, and no level allocates anew
-        y = (share.unsqueeze(-1) * theta_bar if y is None
-             else y.addcmul_(share.unsqueeze(-1), theta_bar))
+        per_level.append((_rows_of(level, [s.log_mu for s in steps], None), steps))
+    # top-down: y = m(i) v_i + sum over the spine of m(above) (1 - mu) theta_bar, where
+    # m(above) multiplies the mu of the levels above (nearer the root)
+    log_m_above, log_m = [], None
+    for log_mu, _ in reversed(per_level):
+        log_m_above.append(log_m)
         log_m = log_mu if log_m is None else log_m + log_mu
-    v_hm = leaf_v
-    if include_self:
-        if log_m is None:
-            y = v_hm if y is None else y + v_hm
-        else:
-            y = y.addcmul_(log_m.exp().unsqueeze(-1), v_hm)
-    elif y is None:
-        y = torch.zeros_like(v_hm)
-    return y.transpose(0, 1).contiguous()
+    if not include_self:
+        y = leaf_v.new_zeros(leaf_v.shape)
+    elif log_m is None:
+        y = leaf_v.clone(memory_format=torch.contiguous_format)
+    else:
+        y = (leaf_v * log_m.exp().unsqueeze(-1)).contiguous()
+    for (log_mu, steps), above, level in zip(per_level, reversed(log_m_above), plan.levels):
+        share = -torch.expm1(log_mu) if above is None else above.exp() * -torch.expm1(log_mu)
+        for g, step in zip(level.groups, steps):
+            if g.rows is not None:
+                mine = share[:, g.rows[0]:g.rows[1]]
+            else:
+                mine = share.index_select(1, g.slot_row) * g.slot_is_real.to(share.dtype)
+            weights = _update(step.weights, recording, "mul",
+                              mine.view(mine.shape[0], g.num_tiles, g.tile, 1))
+            y = _add_attention(y, g, weights, step.values, recording)
+    return y
