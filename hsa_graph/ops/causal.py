@@ -276,15 +276,19 @@ def _internal_lam(st: TreeStructure, stats, size: Tensor) -> Tensor:
 class NodeTables:
     r"""Head-major per-node quantities of the full tree that the spine steps read.
 
-    Leaf rows are the caller's token-major ``q, k, v`` seen as ``[H, N, D]`` (no copy: a
-    tile's rows are a strided matrix that :func:`_per_head_bmm` reads in place);
-    internal rows are contiguous ``[H, I + 1, ...]``. :meth:`members` reads unified
-    node ids (``M``: padding).
+    Leaf rows are the caller's token-major ``q, k, v`` seen as ``[H, N, D]`` (without
+    autograd no copy: a tile's rows are a strided matrix that :func:`_per_head_bmm`
+    reads in place); internal rows are contiguous ``[H, I + 1, ...]``. Gathers read
+    the token-major ``rows`` (whole ``H * D`` rows; a gather along the middle axis of a
+    strided view copies element runs one by one). :meth:`members` reads unified node
+    ids (``M``: padding).
 
     Attributes:
-        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]`` views.
+        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]``.
         internal: ``(r_q, r_k, r_v)`` subtree means ``[H, I + 1, ...]`` (null row last,
             zero: what padding members read).
+        leaf_rows, internal_rows: the same, token-major ``[N, H, ...]`` and
+            ``[I + 1, H, ...]``.
         lam: ``[H, M + 1]`` :math:`\lambda` of every node (padding row last).
         size: ``[M + 1]`` :math:`n(A)`; log_size: its log, ``-inf`` on the padding row.
         pos: ``[H or 1, M + 1, P]`` node positions, or ``None``.
@@ -292,6 +296,8 @@ class NodeTables:
 
     leaf: Tuple[Tensor, Tensor, Tensor]
     internal: Tuple[Tensor, Tensor, Tensor]
+    leaf_rows: Tuple[Tensor, Tensor, Tensor]
+    internal_rows: Tuple[Tensor, Tensor, Tensor]
     lam: Tensor
     size: Tensor
     log_size: Tensor
@@ -311,10 +317,21 @@ class NodeTables:
             out = internal[:, g.member_rows[0] - n:g.member_rows[1] - n]
         else:
             if self._unified is None:   # mixed families: one unified table, once per call
-                self._unified = tuple(torch.cat([a, c], 1)
-                                      for a, c in zip(self.leaf, self.internal))
-            out = self._unified[which].index_select(1, g.members.flatten())
+                self._unified = tuple(torch.cat([a, c]) for a, c in
+                                      zip(self.leaf_rows, self.internal_rows))
+            out = self._unified[which].index_select(0, g.members.flatten()).transpose(0, 1)
         return out.reshape(out.shape[0], f, b, *out.shape[2:])
+
+    def leaf_slots(self, which: int, g: CausalTiles) -> Tensor:
+        """Leaf table ``which`` at ``g``'s slots: ``[H, R, T, ...]``."""
+        leaf = self.leaf[which]
+        if g.rows == (0, leaf.shape[1]):
+            out = leaf          # no slice: its backward would zero-fill a whole gradient
+        elif g.rows is not None:
+            out = leaf[:, g.rows[0]:g.rows[1]]
+        else:
+            out = self.leaf_rows[which].index_select(0, g.slot_row).transpose(0, 1)
+        return out.reshape(out.shape[0], g.num_tiles, g.tile, *out.shape[2:])
 
     def heads(self, lo: int, hi: int) -> NodeTables:
         """The tables of heads ``lo .. hi - 1`` (views; positions shared by all heads
@@ -324,6 +341,8 @@ class NodeTables:
         pos = self.pos if self.pos is None or self.pos.shape[0] == 1 else self.pos[lo:hi]
         return NodeTables(leaf=tuple(t[lo:hi] for t in self.leaf),
                           internal=tuple(t[lo:hi] for t in self.internal),
+                          leaf_rows=tuple(t[:, lo:hi] for t in self.leaf_rows),
+                          internal_rows=tuple(t[:, lo:hi] for t in self.internal_rows),
                           lam=self.lam[lo:hi], size=self.size, log_size=self.log_size,
                           pos=pos)
 
@@ -362,9 +381,9 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
     # without autograd the leaf rows are read in place; with it, contiguous head-major
     # copies keep every product (and its backward) one batched matmul
     leaf = tuple(head_major(t) if recording else t.transpose(0, 1) for t in (q, k, v))
-    return NodeTables(leaf=leaf,
-                      internal=(head_major(stats.rq), head_major(stats.rk),
-                                head_major(stats.rv)),
+    means = (stats.rq, stats.rk, stats.rv)
+    return NodeTables(leaf=leaf, internal=tuple(head_major(t) for t in means),
+                      leaf_rows=(q, k, v), internal_rows=means,
                       lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
 
 
@@ -480,7 +499,7 @@ def _slot_tables(g: CausalTiles, nodes: NodeTables, dtype: torch.dtype) -> SlotT
 
 
 def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tensor,
-                leaf_q: Tensor, leaf_k: Tensor, scale: float, recording: bool) -> SpineStep:
+                scale: float, recording: bool) -> SpineStep:
     r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
     module docstring): for query :math:`i` with spine child :math:`S` at position
     :math:`p` of its family,
@@ -526,11 +545,11 @@ def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tens
     per_count = (scale / count).unsqueeze(-1)                              # [R, T, 1]
     # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of <q_j, r_k(B)>:
     # running sums of [T, b] logits, not of [T, D] vectors
-    row = _spine_sums(g, _per_head_bmm(view.slots(leaf_q), view.per_tile(mk).transpose(
+    row = _spine_sums(g, _per_head_bmm(nodes.leaf_slots(0, g), view.per_tile(mk).transpose(
         -1, -2)), recording)
     row = _update(_update(row, recording, "mul", per_count), recording, "add",
                   consts.row_bias)
-    col = _spine_sums(g, _per_head_bmm(view.slots(leaf_k), view.per_tile(mq).transpose(
+    col = _spine_sums(g, _per_head_bmm(nodes.leaf_slots(1, g), view.per_tile(mq).transpose(
         -1, -2)), recording)
     col = _update(_update(col, recording, "mul", per_count), recording, "add",
                   count.log()[..., None])
@@ -680,10 +699,10 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
     ``[heads, N, Dv]``, head-major (each head's slots of a tile group are then one
     contiguous block, which batched matmuls accumulate into in place)."""
     n = st.num_leaves
-    (leaf_q, leaf_k, leaf_v), lam = nodes.leaf, nodes.lam[:, :n]
+    leaf_v, lam = nodes.leaf[2], nodes.lam[:, :n]
     per_level = []
     for level, tables in zip(plan.levels, consts):  # deepest first: bottom-up
-        steps = [_spine_step(g, c, nodes, lam, leaf_q, leaf_k, scale, recording)
+        steps = [_spine_step(g, c, nodes, lam, scale, recording)
                  for g, c in zip(level.groups, tables)]
         lam = _rows_of(level, [s.lam for s in steps], lam)
         per_level.append((_rows_of(level, [s.log_mu for s in steps], None), steps))
