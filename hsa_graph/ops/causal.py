@@ -82,18 +82,20 @@ NEG_INF = float("-inf")
 _FINITE_NEG = -1e30  # a finite floor for lambda, so that masked terms are products
 
 
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient: the one of ``y.sum()`` is
-    an expanded (stride 0) tensor, and CPU batched matmuls over such operands fall back
-    to one small GEMM per matrix (about 10x slower in the spine steps' backward)."""
+class _TokenMajor(torch.autograd.Function):
+    """``[H, N, Dv]`` -> contiguous ``[N, H, Dv]``, whose backward hands back a
+    contiguous head-major gradient: the backward of every tile group's ``index_add_``
+    gathers from it, and a gather from a strided gradient copies the whole of it first
+    (once per group); an expanded gradient (the one of ``y.sum()``) would also make
+    the batched matmuls' backward loop over matrices."""
 
     @staticmethod
     def forward(ctx, y: Tensor) -> Tensor:
-        return y.view_as(y)
+        return y.transpose(0, 1).contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+        return grad.transpose(0, 1).contiguous()
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -243,7 +245,7 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     pos = None if x.pos is None else _FirstOrderOnly.apply(x.pos)[0]
     with no_autocast(x.device):
         y = _causal_hsa(x.structure, plan, q, k, v, x.include_self, x.scale, pos)
-    return x.finish(_DenseGrad.apply(y) if y.requires_grad else y)
+    return x.finish(y)
 
 
 def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale: float,
@@ -280,8 +282,8 @@ class NodeTables:
     autograd no copy: a tile's rows are a strided matrix that :func:`_per_head_bmm`
     reads in place); internal rows are contiguous ``[H, I + 1, ...]``. Gathers read
     the token-major ``rows`` (whole ``H * D`` rows; a gather along the middle axis of a
-    strided view copies element runs one by one). :meth:`members` reads unified node
-    ids (``M``: padding).
+    strided view copies element runs one by one), of unified node ids (``M``: padding)
+    for members.
 
     Attributes:
         leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]``.
@@ -302,36 +304,60 @@ class NodeTables:
     size: Tensor
     log_size: Tensor
     pos: Optional[Tensor]
-    _unified: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+    _unified: Optional[List[Tensor]] = None
 
-    def members(self, which: int, g: CausalTiles) -> Tensor:
-        """Table ``which`` (0: q, 1: k, 2: v) of ``g``'s members: ``[H, F, b, ...]``."""
-        leaf, internal = self.leaf[which], self.internal[which]
-        n = leaf.shape[1]
-        f, b = g.members.shape
-        if g.member_rows == (0, n):
-            out = leaf          # no slice: its backward would zero-fill a whole gradient
-        elif g.member_rows is not None and g.member_rows[1] <= n:
-            out = leaf[:, g.member_rows[0]:g.member_rows[1]]
-        elif g.member_rows is not None and g.member_rows[0] >= n:
-            out = internal[:, g.member_rows[0] - n:g.member_rows[1] - n]
-        else:
-            if self._unified is None:   # mixed families: one unified table, once per call
-                self._unified = tuple(torch.cat([a, c]) for a, c in
-                                      zip(self.leaf_rows, self.internal_rows))
-            out = self._unified[which].index_select(0, g.members.flatten()).transpose(0, 1)
-        return out.reshape(out.shape[0], f, b, *out.shape[2:])
+    def level_inputs(self, level, recording: bool) -> List[GroupInputs]:
+        """The leaf rows at the slots and the member tables of every group of
+        ``level``. What is not a view of a table (without autograd: a slice of it) is
+        gathered for all groups at once and split: with autograd each gather's backward
+        zero-fills a gradient of its whole source, once per level instead of once per
+        group (so does a slice: only the small internal tables are sliced then)."""
+        n = self.leaf[0].shape[1]
 
-    def leaf_slots(self, which: int, g: CausalTiles) -> Tensor:
-        """Leaf table ``which`` at ``g``'s slots: ``[H, R, T, ...]``."""
-        leaf = self.leaf[which]
-        if g.rows == (0, leaf.shape[1]):
-            out = leaf          # no slice: its backward would zero-fill a whole gradient
-        elif g.rows is not None:
-            out = leaf[:, g.rows[0]:g.rows[1]]
-        else:
-            out = self.leaf_rows[which].index_select(0, g.slot_row).transpose(0, 1)
-        return out.reshape(out.shape[0], g.num_tiles, g.tile, *out.shape[2:])
+        def sliced(rows: Optional[Tuple[int, int]], lo: int, hi: int,
+                   small: bool = False) -> bool:
+            return rows == (lo, hi) or (rows is not None and lo <= rows[0] and
+                                        rows[1] <= hi and (small or not recording))
+
+        groups = level.groups
+        slots: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(groups)
+        gather = [i for i, g in enumerate(groups) if not sliced(g.rows, 0, n)]
+        if gather:
+            index = torch.cat([groups[i].slot_row for i in gather])
+            sizes = [groups[i].slot_row.numel() for i in gather]
+            parts = [torch.split(t.index_select(0, index), sizes) for t in self.leaf_rows[:2]]
+            for i, q_part, k_part in zip(gather, *parts):
+                slots[i] = (q_part.transpose(0, 1), k_part.transpose(0, 1))
+        members: List[Optional[Tuple[Tensor, ...]]] = [None] * len(groups)
+        m = n + self.internal[0].shape[1]
+        gather = [i for i, g in enumerate(groups) if not (
+            sliced(g.member_rows, 0, n) or sliced(g.member_rows, n, m, small=True))]
+        if gather:
+            if self._unified is None:   # token-major [M + 1, H, .], once per call
+                self._unified = [torch.cat([a, c])
+                                 for a, c in zip(self.leaf_rows, self.internal_rows)]
+            unified = self._unified
+            index = torch.cat([groups[i].members.flatten() for i in gather])
+            sizes = [groups[i].members.numel() for i in gather]
+            parts = [torch.split(t.index_select(0, index), sizes) for t in unified]
+            for i, *tables in zip(gather, *parts):
+                members[i] = tuple(t.transpose(0, 1) for t in tables)
+        out = []
+        for g, slot, member in zip(groups, slots, members):
+            if slot is None:
+                lo, hi = g.rows
+                slot = tuple(t if (lo, hi) == (0, n) else t[:, lo:hi] for t in self.leaf[:2])
+            if member is None:
+                lo, hi = g.member_rows
+                member = tuple((t if (lo, hi) == (0, n) else t[:, lo:hi]) if hi <= n
+                               else c[:, lo - n:hi - n]
+                               for t, c in zip(self.leaf, self.internal))
+            f, b = g.members.shape
+            out.append(GroupInputs(
+                q_slots=slot[0].reshape(slot[0].shape[0], g.num_tiles, g.tile, -1),
+                k_slots=slot[1].reshape(slot[1].shape[0], g.num_tiles, g.tile, -1),
+                members=tuple(t.reshape(t.shape[0], f, b, -1) for t in member)))
+        return out
 
     def heads(self, lo: int, hi: int) -> NodeTables:
         """The tables of heads ``lo .. hi - 1`` (views; positions shared by all heads
@@ -345,6 +371,17 @@ class NodeTables:
                           internal_rows=tuple(t[:, lo:hi] for t in self.internal_rows),
                           lam=self.lam[lo:hi], size=self.size, log_size=self.log_size,
                           pos=pos)
+
+
+@dataclass(frozen=True)
+class GroupInputs:
+    """What a :class:`CausalTiles` group's spine step reads of the inputs: ``q`` and
+    ``k`` at its slots ``[H, R, T, D]``, and its members' ``(r_q, r_k, r_v)``
+    ``[H, F, b, ...]`` (:meth:`NodeTables.level_inputs`)."""
+
+    q_slots: Tensor
+    k_slots: Tensor
+    members: Tuple[Tensor, Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -498,8 +535,8 @@ def _slot_tables(g: CausalTiles, nodes: NodeTables, dtype: torch.dtype) -> SlotT
                       count=g.slot_count.to(dtype).view(r, t), parent_count=parent_count)
 
 
-def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tensor,
-                scale: float, recording: bool) -> SpineStep:
+def _spine_step(g: CausalTiles, inputs: GroupInputs, consts: SlotTables, nodes: NodeTables,
+                lam: Tensor, scale: float, recording: bool) -> SpineStep:
     r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
     module docstring): for query :math:`i` with spine child :math:`S` at position
     :math:`p` of its family,
@@ -524,7 +561,7 @@ def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tens
     """
     b = g.size
     view = _TileView(g)
-    mq, mk, mv = nodes.members(0, g), nodes.members(1, g), nodes.members(2, g)
+    mq, mk, mv = inputs.members
     log_n = nodes.log_size[g.members]                                       # [F, b]
     pos_dots = None
     if nodes.pos is not None:
@@ -545,11 +582,11 @@ def _spine_step(g: CausalTiles, consts: SlotTables, nodes: NodeTables, lam: Tens
     per_count = (scale / count).unsqueeze(-1)                              # [R, T, 1]
     # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of <q_j, r_k(B)>:
     # running sums of [T, b] logits, not of [T, D] vectors
-    row = _spine_sums(g, _per_head_bmm(nodes.leaf_slots(0, g), view.per_tile(mk).transpose(
+    row = _spine_sums(g, _per_head_bmm(inputs.q_slots, view.per_tile(mk).transpose(
         -1, -2)), recording)
     row = _update(_update(row, recording, "mul", per_count), recording, "add",
                   consts.row_bias)
-    col = _spine_sums(g, _per_head_bmm(nodes.leaf_slots(1, g), view.per_tile(mq).transpose(
+    col = _spine_sums(g, _per_head_bmm(inputs.k_slots, view.per_tile(mq).transpose(
         -1, -2)), recording)
     col = _update(_update(col, recording, "mul", per_count), recording, "add",
                   count.log()[..., None])
@@ -679,9 +716,9 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     per_chunk = h if recording else max(1, _CHUNK_BYTES // (widest * q.element_size()))
     chunks = [(lo, min(h, lo + per_chunk)) for lo in range(0, h, per_chunk)]
     if recording:
-        return torch.cat([_causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,
-                                        scale, recording)
-                          for lo, hi in chunks]).transpose(0, 1)
+        return _TokenMajor.apply(torch.cat([
+            _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self, scale,
+                          recording) for lo, hi in chunks]))
     y = torch.empty_like(v)
     for lo, hi in chunks:
         y[:, lo:hi] = _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,
@@ -702,8 +739,8 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
     leaf_v, lam = nodes.leaf[2], nodes.lam[:, :n]
     per_level = []
     for level, tables in zip(plan.levels, consts):  # deepest first: bottom-up
-        steps = [_spine_step(g, c, nodes, lam, scale, recording)
-                 for g, c in zip(level.groups, tables)]
+        steps = [_spine_step(g, inputs, c, nodes, lam, scale, recording) for g, inputs, c
+                 in zip(level.groups, nodes.level_inputs(level, recording), tables)]
         lam = _rows_of(level, [s.lam for s in steps], lam)
         per_level.append((_rows_of(level, [s.log_mu for s in steps], None), steps))
     # top-down: y = m(i) v_i + sum over the spine of m(above) (1 - mu) theta_bar, where
