@@ -932,8 +932,7 @@ class BatchedHSACache:
         size = torch.cat([st.node_size.to(dt), x.q.new_ones(1)])
         lam = torch.cat([_leaf_lam(st, x.q, x.k, self.include_self, x.scale, None),
                          _internal_lam(st, stats, size)])                 # [M + 1, H]
-        means = [torch.cat([leaf, internal]) for leaf, internal in
-                 ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))]      # [M + 1, H, .]
+        means = ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))   # leaf, internal
 
         fresh = BatchedHSACache(p, self.include_self, self.scale, self.max_depth)
         fresh.token_spec = spec
@@ -1003,15 +1002,17 @@ def _completed_children(st: TreeStructure, spine: Tensor
     return child, group, slot, per_group
 
 
-def _fill_prompt_state(state: CacheState, means: List[Tensor], size: Tensor, lam: Tensor,
+def _fill_prompt_state(state: CacheState, means: Sequence[Tuple[Tensor, Tensor]],
+                       size: Tensor, lam: Tensor,
                        child: Tensor, group: Tensor, slot: Tensor, spine: Tensor,
                        count: Tensor, scale: float) -> None:
     r"""Write the state that stepping through the prompts would leave into the empty
     ``state`` (``P`` prompts, ``L`` levels) of :meth:`BatchedHSACache.prefill`.
 
     Args:
-        means: the per-node means of ``q``, ``k``, ``v`` ``[M + 1, H, .]`` (row ``M``:
-            a padding node of size 1); size: ``[M + 1]``; lam: :math:`\lambda` ``[M + 1,
+        means: the per-node means of ``q``, ``k``, ``v`` as ``(leaf rows [N, H, .],
+            internal rows [I + 1, H, .])`` (unified id ``M``, the last internal row: a
+            padding node of size 1); size: ``[M + 1]``; lam: :math:`\lambda` ``[M + 1,
             H]``.
         child, group, slot: the completed children ``[K]``, their ``prompt * L +
             level`` and their slot.
@@ -1019,26 +1020,38 @@ def _fill_prompt_state(state: CacheState, means: List[Tensor], size: Tensor, lam
         count: ``[P, L]``, completed children per open node; scale: the logit scale.
     """
     p, levels, h = state.base.shape[:3]
-    dim = means[0].shape[-1]
-    member_table = torch.cat([means[1], means[0], means[2]], -1)     # [M + 1, H, 2D + Dv]
-    sum_table = torch.cat([*(m * size[:, None, None] for m in means),
-                           size[:, None, None].expand(-1, h, 1)], -1)  # [M + 1, H, F]
+    dim = means[0][0].shape[-1]
+
+    def rows(ids: Tensor) -> List[Tensor]:
+        """The means of q, k, v at unified node ids ``ids`` (only those rows are read:
+        tables of every node would be copies of the whole prompt)."""
+        n = means[0][0].shape[0]
+        leaf = (ids < n).view(-1, *([1] * 2))
+        return [torch.where(leaf, a[ids.clamp_max(n - 1)], c[(ids - n).clamp_min(0)])
+                for a, c in means]
+
+    def sums(ids: Tensor) -> Tensor:                                   # [K, H, F]
+        n_ids = size[ids][:, None, None]
+        return torch.cat([*(m * n_ids for m in rows(ids)), n_ids.expand(-1, h, 1)], -1)
+
     g_seq, g_level = group // levels, group % levels
-    state.members[g_seq, g_level, :, slot] = member_table[child]
+    mq, mk, mv = rows(child)
+    state.members[g_seq, g_level, :, slot] = torch.cat([mk, mq, mv], -1)  # r_k | r_q | r_v
     state.size[g_seq, g_level, slot] = size[child]
     lam_slots = torch.zeros_like(state.base)
     lam_slots[g_seq, g_level, :, slot] = lam[child]
-    state.left.view(p * levels, h, -1).index_add_(0, group, sum_table[child])
+    state.left.view(p * levels, h, -1).index_add_(0, group, sums(child))
     # the open child at each level: the spine node one level down
     below = spine[:, 1:]                                              # [P, levels]
     open_ = below >= 0
     safe = below.clamp_min(0)
-    state.child = torch.where(open_[..., None, None], sum_table[safe], 0.0)
+    open_sums = sums(safe.flatten()).view(*safe.shape, h, -1)
+    state.child = torch.where(open_[..., None, None], open_sums, 0.0)
     fixed = _fixed_of(state.members, state.size, count, dim, scale)
     state.base.copy_(_logaddexp(lam_slots, fixed))     # in place: views of it live on
     # the open children's terms as a step ending at the last leaf leaves them
     # (ones where no node is open, only to keep the means finite)
-    sib = left_siblings(state, torch.where(open_[..., None, None], sum_table[safe], 1.0),
+    sib = left_siblings(state, torch.where(open_[..., None, None], open_sums, 1.0),
                         dim, scale, _logaddexp)
     state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
     state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)

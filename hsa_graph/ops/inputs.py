@@ -170,9 +170,15 @@ def _check_finite(st: TreeStructure, tensors: Iterable[Tuple[str, Optional[Tenso
     for name, t in tensors:
         if t is None or t.numel() == 0:
             continue
-        bad = ~torch.isfinite(t).reshape(t.shape[0], -1).all(1)
+        rows = t.reshape(t.shape[0], -1)
+        # a NaN or inf makes its row's sum non-finite (so may an overflow of finite
+        # values): one reduction, and the exact test on the rows it flags only
+        suspect = ~torch.isfinite(rows.sum(1, dtype=torch.float64))
+        if not bool(suspect.any()):
+            continue
+        bad = ~torch.isfinite(rows[suspect]).all(1)
         if bool(bad.any()):
-            row = int(bad.nonzero()[0])
+            row = int(suspect.nonzero()[int(bad.nonzero()[0])])
             if name == "pos":
                 where = f"node {row}"
             elif name in leaf_rows:
