@@ -73,7 +73,14 @@ import torch
 from torch import Tensor
 
 from ..structure import CausalTiles, TreeStructure
-from .hsa import HSAStatistics, _log_ratio, _logaddexp, flat_attention, hsa_statistics
+from .hsa import (
+    HSAStatistics,
+    _log_ratio,
+    _logaddexp,
+    _row_dots,
+    flat_attention,
+    hsa_statistics,
+)
 from .inputs import no_autocast, prepare_attention
 
 __all__ = ["causal_hsa"]
@@ -253,7 +260,7 @@ def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale
     """``lam(i) = s <q_i, k_i> + |eps(i)|^2`` (``-inf`` without self), ``[N, H]``."""
     if not include_self:
         return q.new_full(q.shape[:2], NEG_INF)
-    own = torch.einsum("nhd,nhd->nh", q, k) * scale  # no [N, H, D] product
+    own = _row_dots(q, k) * scale
     if pos is not None:
         p = pos.to(q.dtype)[st.node_of_unified[:st.num_leaves]]
         own = own + p.pow(2).sum(-1).view(own.shape[0], -1)

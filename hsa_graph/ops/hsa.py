@@ -248,9 +248,32 @@ def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
     return bias
 
 
+class _RowDots(torch.autograd.Function):
+    """``<q_i, k_i>`` per row and head, ``[n, H]``, without an ``[n, H, D]`` product:
+    one batched matmul forward, and a backward of two scaled copies (the einsum's own
+    backward is one tiny matmul per row, about 2x slower). Twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor) -> Tensor:
+        ctx.save_for_backward(q, k)
+        return torch.einsum("nhd,nhd->nh", q, k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k = ctx.saved_tensors
+        g = grad.unsqueeze(-1)
+        return (g * k if ctx.needs_input_grad[0] else None,
+                g * q if ctx.needs_input_grad[1] else None)
+
+
+def _row_dots(q: Tensor, k: Tensor) -> Tensor:
+    """``<q_i, k_i>`` per row and head of ``[n, H, D]`` inputs: ``[n, H]``."""
+    return _RowDots.apply(q, k)
+
+
 def _self_logit(q: Tensor, k: Tensor, scale: float, pos: Optional[Tensor]) -> Tensor:
     """``z(i, i) = s <q_i, k_i> + <pos_i, pos_i>``: ``[n, H]``."""
-    own = torch.einsum("nhd,nhd->nh", q, k) * scale  # no [N, H, D] product
+    own = _row_dots(q, k) * scale
     return own if pos is None else own + pos.pow(2).sum(-1)
 
 
