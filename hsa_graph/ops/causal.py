@@ -761,7 +761,11 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
     elif log_m is None:
         y = leaf_v.clone(memory_format=torch.contiguous_format)
     else:
-        y = (leaf_v * log_m.exp().unsqueeze(-1)).contiguous()
+        m = log_m.exp().unsqueeze(-1)
+        # without autograd one pass into a head-major buffer (the product alone would
+        # take leaf_v's token-major strides); with it, leaf_v is head-major already
+        y = leaf_v * m if recording else torch.mul(leaf_v, m, out=torch.empty(
+            leaf_v.shape, dtype=leaf_v.dtype, device=leaf_v.device))
     for (log_mu, steps), above, level in zip(per_level, reversed(log_m_above), plan.levels):
         share = -torch.expm1(log_mu) if above is None else above.exp() * -torch.expm1(log_mu)
         for g, step in zip(level.groups, steps):
