@@ -239,3 +239,56 @@ def test_flat_forests_equal_the_dense_reference(sizes, with_pos):
         start, node = start + s, node + s + 1
     assert (batch.structure.flat_families is not None) == (len(set(sizes)) == 1
                                                            and min(sizes) > 1)
+
+
+def test_head_chunks_and_the_autograd_path_agree(monkeypatch):
+    """Without autograd the heads run in chunks and every intermediate is updated in
+    place; with it, out of place in one chunk: the same values (float64), and both
+    equal the dense reference."""
+    import hsa_graph.ops.causal as causal_module
+
+    parent = text_like([[150, 3, 12], [5, 2], [80, 1, 1, 9]])   # root tiles of 128 rows
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    n = len(leaves_of(parent))
+    q, k, v, pos = random_inputs(n, len(parent), 3, 4, 5, 3, pos_dim=2)
+    for include_self, p in ((True, None), (False, pos)):
+        whole = causal_hsa(q, k, v, tree, include_self=include_self, pos=p)
+        with monkeypatch.context() as m:
+            m.setattr(causal_module, "_CHUNK_BYTES", 1)             # one head per chunk
+            chunked = causal_hsa(q, k, v, tree, include_self=include_self, pos=p)
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        recorded = causal_hsa(*inputs, tree, include_self=include_self, pos=p)
+        torch.testing.assert_close(chunked, whole, atol=1e-13, rtol=1e-13)
+        torch.testing.assert_close(recorded.detach(), whole, atol=1e-13, rtol=1e-13)
+        rows = torch.tensor([0, 100, 149, 151, 170, n - 1])
+        ref = dense_causal_hsa(parent, q, k, v, include_self=include_self, pos=p)
+        torch.testing.assert_close(whole[rows], ref[rows], atol=1e-10, rtol=1e-10)
+
+
+def test_doubling_scan_and_its_backward():
+    """The family tables' log-cumsum-exp (dim -2, by doubling) equals torch's, keeps
+    -inf entries exact, and its hand-written backward passes gradcheck with zero
+    gradients on -inf entries."""
+    from hsa_graph.ops.causal import _logcumsumexp
+
+    torch.manual_seed(0)
+    z = torch.randn(2, 3, 13, 4, dtype=torch.float64)
+    z[0, 1, :3] = float("-inf")                     # a column that starts empty
+    z[1, 2, 5] = float("-inf")
+    expected = torch.logcumsumexp(z, -2)
+    torch.testing.assert_close(_logcumsumexp(z, False), expected, atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(_logcumsumexp(z, True), expected, atol=1e-13, rtol=1e-13)
+    assert torch.autograd.gradcheck(lambda t: _logcumsumexp(t, True),
+                                    (torch.randn(2, 7, 3, dtype=torch.float64,
+                                                 requires_grad=True),))
+    # with -inf entries (outputs of -inf defeat finite differences): torch's gradients,
+    # zero on the -inf entries
+    finite = torch.isfinite(z)
+    x = torch.where(finite, z, 0.0).requires_grad_(True)
+    weights = torch.randn_like(z)
+    ours, = torch.autograd.grad((_logcumsumexp(torch.where(finite, x, float("-inf")), True)
+                                 * weights).sum(), x)
+    theirs, = torch.autograd.grad((torch.logcumsumexp(torch.where(finite, x, float("-inf")),
+                                                      -2) * weights).sum(), x)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
+    assert (ours[~finite] == 0).all()
