@@ -216,6 +216,9 @@ class CausalTiles:
             leaf, where that row is in the same family (``slot_has_before``), else 0:
             sums over :math:`S` up to :math:`i` are family prefix sums minus this one.
         slot_is_real: ``[R * T]`` whether a slot holds a leaf row (``False`` on padding).
+        slot_run: ``n`` when every tile is whole runs of ``n`` slots, each run the
+            leaves of one spine child in order (a balanced tree's levels): sums over
+            :math:`S` up to a slot are then prefix sums inside its run; else ``None``.
         rows: ``(lo, hi)`` when the slots are exactly the leaf rows ``lo .. hi - 1`` in
             order (no gather needed), else ``None``.
         member_rows: ``(lo, hi)`` when ``members`` is exactly the unified ids
@@ -240,6 +243,7 @@ class CausalTiles:
     slot_before: Tensor
     slot_has_before: Tensor
     slot_is_real: Tensor
+    slot_run: Optional[int]
     rows: Optional[Tuple[int, int]]
     member_rows: Optional[Tuple[int, int]]
     slots_are_members: bool
@@ -1192,7 +1196,7 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
         mine = fam_group[fam_of_member] == g
         members = torch.full((num_fam * b,), m, dtype=torch.long, device=dev)
         members[fam_local[fam_of_member[mine]] * b + pos[mine]] = child[mine]
-        group, real = _tile_group(members.view(num_fam, b), first, fam_first[fams],
+        group, real = _tile_group(members.view(num_fam, b), first, last, fam_first[fams],
                                   last[fam_ids[fams]], fam_tiles[fams], t, num_tiles,
                                   (lo, lo + leaves) if ordered else None)
         by_depth.setdefault(depth, []).append((group, real.flatten(), leaves))
@@ -1202,8 +1206,8 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     return CausalPlan(levels=levels, first_leaf=first)
 
 
-def _tile_group(members: Tensor, first: Tensor, fam_first: Tensor, fam_last: Tensor,
-                fam_tiles: Tensor, t: int, num_tiles: int,
+def _tile_group(members: Tensor, first: Tensor, last: Tensor, fam_first: Tensor,
+                fam_last: Tensor, fam_tiles: Tensor, t: int, num_tiles: int,
                 rows: Optional[Tuple[int, int]]) -> Tuple[CausalTiles, Tensor]:
     """The :class:`CausalTiles` of one group: families ``members`` ``[F, b]`` (padding
     ``M``) whose leaf rows ``fam_first .. fam_last`` are cut into ``fam_tiles`` tiles of
@@ -1235,13 +1239,22 @@ def _tile_group(members: Tensor, first: Tensor, fam_first: Tensor, fam_last: Ten
         member_rows = (int(flat_members[0]), int(flat_members[0]) + flat_members.numel())
     slots_are_members = (num_tiles == num_fam and t == b and bool(
         ((members == slot_row) | (members == m)).all()))
+    slot_run = None
+    if bool(real.all()) and t > 1:
+        sizes = last[spine] - first[spine] + 1                  # [R, T] leaves of S
+        n_s = int(sizes[0, 0])
+        within = torch.arange(1, n_s + 1, device=dev, dtype=count.dtype)
+        if t % n_s == 0 and bool((sizes == n_s).all()) and bool(
+                (count.view(num_tiles, t // n_s, n_s) == within).all()):
+            slot_run = n_s
     group = CausalTiles(
         size=b, tile=t, members=members, tile_family=tile_family,
         tile_first=tile_start[tile_family], slot_row=slot_row.flatten(),
         slot_index=(tile_family[:, None] * b + p).flatten(), slot_pos=p.flatten(),
         slot_count=count.flatten(), slot_count_parent=count_parent.flatten(),
         slot_before=torch.where(has_before, before, 0).flatten(),
-        slot_has_before=has_before.flatten(), slot_is_real=real.flatten(), rows=rows,
+        slot_has_before=has_before.flatten(), slot_is_real=real.flatten(),
+        slot_run=slot_run, rows=rows,
         member_rows=member_rows, slots_are_members=slots_are_members)
     return group, real.flatten()
 

@@ -431,18 +431,24 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
                       lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
 
 
-def _per_head_bmm(a: Tensor, b: Tensor) -> Tensor:
+def _per_head_bmm(a: Tensor, b: Tensor, recording: bool = True) -> Tensor:
     """``a @ b`` for ``[H, R, ., .]`` operands of any strides (a head axis of size 1
     broadcasts). Where both merge their two batch axes into one, one batched matmul;
     else one per head, which reads strided rows in place (the token-major leaf rows,
-    ``H * D`` apart): ``torch.matmul`` would copy them whole first."""
+    ``H * D`` apart): ``torch.matmul`` would copy them whole first. Without autograd
+    the heads write straight into the result (no stack of per-head copies)."""
     def merges(t: Tensor) -> bool:
         return t.stride(0) == t.shape[1] * t.stride(1) or t.shape[1] == 1
     if a.shape[0] == b.shape[0] and merges(a) and merges(b):
         return torch.matmul(a, b)
     heads = max(a.shape[0], b.shape[0])
     a, b = a.expand(heads, *a.shape[1:]), b.expand(heads, *b.shape[1:])
-    return torch.stack([torch.bmm(x, y) for x, y in zip(a, b)])
+    if recording:
+        return torch.stack([torch.bmm(x, y) for x, y in zip(a, b)])
+    out = a.new_empty((heads, a.shape[1], a.shape[2], b.shape[3]))
+    for x, y, o in zip(a, b, out):
+        torch.bmm(x, y, out=o)
+    return out
 
 
 def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, lam_m: Tensor,
@@ -455,7 +461,8 @@ def _member_logits(mq: Tensor, mk: Tensor, log_n: Tensor, lam_m: Tensor,
     \sum_{B < p, B \ne C} n(B) e^{z(C, B)})` wherever :math:`C < p`, and the query
     rows never read the diagonal (their keys are :math:`B < p`)."""
     # in place on the product, which no backward reads
-    zt = _per_head_bmm(mk, mq.transpose(-1, -2)).mul_(scale).add_(log_n[:, :, None])
+    zt = _per_head_bmm(mk, mq.transpose(-1, -2), recording).mul_(scale).add_(
+        log_n[:, :, None])
     if pos_dots is not None:
         zt = zt.add_(pos_dots)                              # symmetric
     if recording:
@@ -590,11 +597,11 @@ def _spine_step(g: CausalTiles, inputs: GroupInputs, consts: SlotTables, nodes: 
     # <Sigma_q(S_i), r_k(B)> is the sum over the leaves j of S up to i of <q_j, r_k(B)>:
     # running sums of [T, b] logits, not of [T, D] vectors
     row = _spine_sums(g, _per_head_bmm(inputs.q_slots, view.per_tile(mk).transpose(
-        -1, -2)), recording)
+        -1, -2), recording), recording)
     row = _update(_update(row, recording, "mul", per_count), recording, "add",
                   consts.row_bias)
     col = _spine_sums(g, _per_head_bmm(inputs.k_slots, view.per_tile(mq).transpose(
-        -1, -2)), recording)
+        -1, -2), recording), recording)
     col = _update(_update(col, recording, "mul", per_count), recording, "add",
                   count.log()[..., None])
     if pos_dots is not None:
@@ -633,10 +640,16 @@ def _member_step(g: CausalTiles, consts: SlotTables, zt: Tensor, lam_s: Tensor, 
 
 def _spine_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
     """Per-leaf values ``[H, R, T, b]`` in slot layout -> their sums over the leaves of
-    each slot's spine child :math:`S` up to the slot: family prefix sums minus the one
-    just before :math:`S`'s first leaf."""
-    run = _tile_prefix_sums(g, x, recording)
-    h, r, t, b = run.shape
+    each slot's spine child :math:`S` up to the slot: prefix sums over each run of
+    :attr:`~hsa_graph.structure.CausalTiles.slot_run` slots where the spine children
+    are such aligned runs (balanced trees), else family prefix sums minus the one just
+    before :math:`S`'s first leaf."""
+    h, r, t, b = x.shape
+    if g.slot_run is not None:
+        runs = x.view(h, r * t // g.slot_run, g.slot_run, b)
+        return _prefix_sums(runs, None, recording).view(h, r, t, b)
+    one_tile_per_family = g.num_tiles == g.members.shape[0]
+    run = _prefix_sums(x, None if one_tile_per_family else g.tile_first, recording)
     flat = run.view(h, r * t, b)
     before = flat.index_select(1, g.slot_before)
     has_before = g.slot_has_before.to(x.dtype).view(1, -1, 1)
@@ -647,9 +660,10 @@ def _spine_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
 _SCAN_BLOCK = 64
 
 
-def _tile_prefix_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
-    """``[H, R, T, X]`` per-row values in slot layout -> their sums over each family's
-    rows up to every slot (in place on ``x`` without autograd).
+def _prefix_sums(x: Tensor, tile_first: Optional[Tensor], recording: bool) -> Tensor:
+    """``[H, R, T, X]`` per-row values of ``R`` tiles -> their sums over each family's
+    rows up to every row (in place on ``x`` without autograd); ``tile_first`` ``[R]``:
+    the first tile of each tile's family (``None``: every tile a family of its own).
 
     A cumulative sum inside blocks of up to 64 rows (``torch.cumsum`` over a long middle
     axis is several times slower on CPU than over short blocks), plus one carry per
@@ -660,12 +674,11 @@ def _tile_prefix_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
     block = _SCAN_BLOCK if t > _SCAN_BLOCK and t % _SCAN_BLOCK == 0 else t
     blocks = t // block
     run = _update(x.view(h, r, blocks, block, d), recording, "cumsum", 3)
-    one_tile_per_family = g.num_tiles == g.members.shape[0]
-    if blocks == 1 and one_tile_per_family:
+    if blocks == 1 and tile_first is None:
         return run.view(h, r, t, d)
     total = run[:, :, :, -1].reshape(h, r * blocks, d).to(torch.float64)
     before = torch.cat([total.new_zeros(h, 1, d), torch.cumsum(total, 1)[:, :-1]], 1)
-    first = torch.arange(r, device=x.device) if one_tile_per_family else g.tile_first
+    first = torch.arange(r, device=x.device) if tile_first is None else tile_first
     start = (first * blocks).repeat_interleave(blocks)                 # family's first block
     carry = (before - before.index_select(1, start)).to(x.dtype)
     return _update(run, recording, "add", carry.view(h, r, blocks, 1, d)).view(h, r, t, d)
@@ -694,7 +707,7 @@ def _add_attention(y: Tensor, g: CausalTiles, weights: Tensor, values: Tensor,
         for head, (w, x) in enumerate(zip(weights, values)):
             y[head, lo:hi].view(g.num_tiles, g.tile, -1).baddbmm_(w, x)
         return y
-    theta = _per_head_bmm(weights, values)                                 # [H, R, T, Dv]
+    theta = _per_head_bmm(weights, values, recording)                      # [H, R, T, Dv]
     theta = theta.view(theta.shape[0], -1, theta.shape[-1])
     if g.rows == (0, y.shape[1]):
         return y.add_(theta)
