@@ -1174,6 +1174,9 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     # tile's member tables ([b, D]) stay small next to its query rows ([T, D])
     half_mean = (group_leaves.double() / group_fams / 2).clamp_min(1)
     tile = torch.maximum(size_of_group, torch.pow(2, torch.floor(torch.log2(half_mean))).long())
+    # families of one row count (balanced levels): one tile each, no padding slots
+    most = per_group(fam_leaves, "amax")
+    tile = torch.where(per_group(fam_leaves, "amin") == most, most, tile)
     fam_tiles = (fam_leaves + tile[fam_group] - 1).div(tile[fam_group], rounding_mode="floor")
     group_tiles = per_group(fam_tiles)
     in_order = ((per_group(last[fam_ids], "amax") - per_group(fam_first, "amin") + 1

@@ -660,18 +660,26 @@ def _spine_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
 _SCAN_BLOCK = 64
 
 
+def _scan_block(t: int) -> int:
+    """Rows per cumulative-sum block of a ``t``-row tile: the largest divisor of ``t``
+    from 8 to 64 where ``t > 64`` has one, else ``t``."""
+    if t <= _SCAN_BLOCK:
+        return t
+    return next((c for c in range(_SCAN_BLOCK, 7, -1) if t % c == 0), t)
+
+
 def _prefix_sums(x: Tensor, tile_first: Optional[Tensor], recording: bool) -> Tensor:
     """``[H, R, T, X]`` per-row values of ``R`` tiles -> their sums over each family's
     rows up to every row (in place on ``x`` without autograd); ``tile_first`` ``[R]``:
     the first tile of each tile's family (``None``: every tile a family of its own).
 
-    A cumulative sum inside blocks of up to 64 rows (``torch.cumsum`` over a long middle
+    A cumulative sum inside blocks of 8 to 64 rows (``torch.cumsum`` over a long middle
     axis is several times slower on CPU than over short blocks), plus one carry per
     block: the totals of the family's earlier blocks, accumulated in float64 and
     shifted rather than subtracted, so a slot's sum reads earlier rows only, even in its
     rounding. Padding slots trail the real ones and never enter a real slot's sum."""
     h, r, t, d = x.shape
-    block = _SCAN_BLOCK if t > _SCAN_BLOCK and t % _SCAN_BLOCK == 0 else t
+    block = _scan_block(t)
     blocks = t // block
     run = _update(x.view(h, r, blocks, block, d), recording, "cumsum", 3)
     if blocks == 1 and tile_first is None:
