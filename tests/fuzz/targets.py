@@ -5,8 +5,9 @@ entry point, and a check that the entry point either raises a documented error
 Correctness is checked independently of the library: parent arrays are validated in
 plain Python, leaves and tokens must come back in order, image pixels must be the
 patches, and on small trees ``hsa`` must equal the dense reference of tests/reference.py
-(float64). The CI tests (test_fuzz.py) and ``benchmarks/fuzz.py`` run the same
-targets, with few and with many examples.
+and ``causal_hsa`` the prefix-tree reference of tests/causal_reference.py (float64).
+The CI tests (test_fuzz.py) and ``benchmarks/fuzz.py`` run the same targets, with few
+and with many examples.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 import networkx as nx
 import numpy as np
 import torch
-from hsa_trees import parent_arrays
+from causal_reference import dense_causal_hsa
+from hsa_trees import dfs_relabel, parent_arrays, relabel
 from hypothesis import strategies as st
 from reference import dense_hsa
 
@@ -151,6 +153,50 @@ def run_parents(case) -> None:
     assert not problem, f"accepted a non-forest ({problem})"
     check_tree(tree, parent)
     check_hsa(tree, seed, scale_exp, include_self, with_pos)
+
+
+def contiguous_forests():
+    """Random forests renumbered depth-first (every node's leaves contiguous in leaf
+    order, what causal HSA takes), with a seed, a later-rows change point,
+    ``include_self``, positions and gradients on or off."""
+    return st.tuples(parent_arrays(24), st.integers(0, 2 ** 31), st.integers(0, 23),
+                     st.booleans(), st.booleans(), st.booleans())
+
+
+def run_causal(case) -> None:
+    """causal_hsa equals the dense prefix-tree reference (values and, when drawn,
+    gradients, float64), and rows up to i do not change in any bit when the inputs of
+    later rows do."""
+    parent, seed, cut, include_self, with_pos, with_grad = case
+    if forest_problem(parent):
+        return
+    parent = relabel(parent, dfs_relabel(parent))[0]
+    tree = NestedSignal.from_parents(parent)
+    n, m = tree.num_leaves, len(parent)
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, n, 2, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(n, 2, 2, generator=g, dtype=torch.float64)
+    pos = torch.randn(m, 2, 2, generator=g, dtype=torch.float64) if with_pos else None
+    inputs = [t.clone().requires_grad_(with_grad) for t in (q, k, v)]
+    y = hsa_graph.causal_hsa(*inputs, tree, include_self=include_self, pos=pos)
+    ref_inputs = [t.clone().requires_grad_(with_grad) for t in (q, k, v)]
+    ref = dense_causal_hsa(parent, *ref_inputs, include_self=include_self, pos=pos)
+    torch.testing.assert_close(y, ref, rtol=1e-7, atol=1e-9)
+    if with_grad and n:
+        weights = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        (y * weights).sum().backward()
+        (ref * weights).sum().backward()
+        for ours, theirs in zip(inputs, ref_inputs):
+            expected = theirs.grad if theirs.grad is not None else torch.zeros_like(ours)
+            torch.testing.assert_close(ours.grad, expected, rtol=1e-7, atol=1e-9)
+    i = cut % max(n, 1)
+    if n > i + 1:   # the same path both times (with autograd it rounds otherwise)
+        before = hsa_graph.causal_hsa(q, k, v, tree, include_self=include_self, pos=pos)
+        later = [t.clone() for t in (q, k, v)]
+        for t in later:
+            t[i + 1:] = torch.randn(t[i + 1:].shape, generator=g, dtype=t.dtype) * 10
+        again = hsa_graph.causal_hsa(*later, tree, include_self=include_self, pos=pos)
+        assert torch.equal(again[:i + 1], before[:i + 1]), i
 
 
 def nested_data():
@@ -799,6 +845,7 @@ class Target(NamedTuple):
 
 TARGETS: Dict[str, Target] = {name: Target(*spec) for name, spec in {
     "from_parents+hsa": (hostile_parents, run_parents),
+    "causal_hsa": (contiguous_forests, run_causal),
     "from_nested": (nested_data, run_nested),
     "from_networkx": (random_digraphs, run_networkx),
     "text_tree": (texts, run_text),
