@@ -58,9 +58,9 @@ so each product is one batched matmul ``[T, D] x [D, b]`` per tile. The logits o
 partial :math:`S_i` are linear in its leaves, so they are running sums of per-leaf
 logits ``[T, b]`` within each family (restarted at :math:`S`'s first leaf), never
 per-query copies of the members. Work :math:`O(N \cdot \mathrm{depth} \cdot b \cdot D)`
-plus :math:`O(M b^2 \log b)` for the family tables. Without autograd the heads run in
-chunks whose ``[heads, N, b]`` intermediates are a few MiB, updated in place, and the
-leaf rows are read where they lie (no head-major copies of ``q, k, v``).
+plus :math:`O(M b^2 \log b)` for the family tables. The heads run in chunks whose
+``[heads, N, b]`` intermediates are a few MiB; without autograd these are updated in
+place and the leaf rows are read where they lie (no head-major copies of ``q, k, v``).
 :class:`~hsa_graph.ops.cache.HSACache` takes the same step for one new token
 (:func:`~hsa_graph.ops.cache.spine_step`).
 """
@@ -365,6 +365,26 @@ class NodeTables:
                 k_slots=slot[1].reshape(slot[1].shape[0], g.num_tiles, g.tile, -1),
                 members=tuple(t.reshape(t.shape[0], f, b, -1) for t in member)))
         return out
+
+    def split(self, sizes: List[int]) -> List[NodeTables]:
+        """The tables of consecutive head chunks of ``sizes`` heads (views through
+        ``torch.split``, whose backward concatenates the chunks' gradients: a slice's
+        would zero-fill a gradient of the whole table per chunk)."""
+        if len(sizes) == 1:
+            return [self]
+
+        def parts(t: Tensor, dim: int = 0) -> Tuple[Tensor, ...]:
+            return torch.split(t, sizes, dim)
+        leaf = list(zip(*(parts(t) for t in self.leaf)))
+        internal = list(zip(*(parts(t) for t in self.internal)))
+        leaf_rows = list(zip(*(parts(t, 1) for t in self.leaf_rows)))
+        internal_rows = list(zip(*(parts(t, 1) for t in self.internal_rows)))
+        lam = parts(self.lam)
+        pos = ([self.pos] * len(sizes) if self.pos is None or self.pos.shape[0] == 1
+               else parts(self.pos))
+        return [NodeTables(leaf=leaf[i], internal=internal[i], leaf_rows=leaf_rows[i],
+                           internal_rows=internal_rows[i], lam=lam[i], size=self.size,
+                           log_size=self.log_size, pos=pos[i]) for i in range(len(sizes))]
 
     def heads(self, lo: int, hi: int) -> NodeTables:
         """The tables of heads ``lo .. hi - 1`` (views; positions shared by all heads
@@ -739,14 +759,12 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     h = q.shape[1]
     consts = [[_slot_tables(g, nodes, q.dtype) for g in level.groups]
               for level in plan.levels]
-    # (with autograd one chunk: the backward of each head slice would zero-fill a
-    # gradient of the whole q, k, v)
-    per_chunk = h if recording else max(1, _CHUNK_BYTES // (widest * q.element_size()))
+    per_chunk = max(1, _CHUNK_BYTES // (widest * q.element_size()))
     chunks = [(lo, min(h, lo + per_chunk)) for lo in range(0, h, per_chunk)]
     if recording:
         return _TokenMajor.apply(torch.cat([
-            _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self, scale,
-                          recording) for lo, hi in chunks]))
+            _causal_heads(st, plan, consts, part, include_self, scale, recording)
+            for part in nodes.split([hi - lo for lo, hi in chunks])]))
     y = torch.empty_like(v)
     for lo, hi in chunks:
         y[:, lo:hi] = _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,

@@ -242,24 +242,35 @@ def test_flat_forests_equal_the_dense_reference(sizes, with_pos):
 
 
 def test_head_chunks_and_the_autograd_path_agree(monkeypatch):
-    """Without autograd the heads run in chunks and every intermediate is updated in
-    place; with it, out of place in one chunk: the same values (float64), and both
-    equal the dense reference."""
+    """Without autograd every intermediate is updated in place; with it, out of place:
+    the same values (float64) in chunks of one head or of all heads, the same gradients
+    either way, and the dense reference's values."""
     import hsa_graph.ops.causal as causal_module
 
     parent = text_like([[150, 3, 12], [5, 2], [80, 1, 1, 9]])   # root tiles of 128 rows
     tree = hsa_graph.NestedSignal.from_parents(parent)
     n = len(leaves_of(parent))
     q, k, v, pos = random_inputs(n, len(parent), 3, 4, 5, 3, pos_dim=2)
+    weights = torch.randn(n, 3, 5, dtype=torch.float64)
+
+    def recorded(include_self, p):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        y = causal_hsa(*inputs, tree, include_self=include_self, pos=p)
+        (y * weights).sum().backward()
+        return y.detach(), [t.grad for t in inputs]
+
     for include_self, p in ((True, None), (False, pos)):
         whole = causal_hsa(q, k, v, tree, include_self=include_self, pos=p)
+        y, grads = recorded(include_self, p)
         with monkeypatch.context() as m:
             m.setattr(causal_module, "_CHUNK_BYTES", 1)             # one head per chunk
             chunked = causal_hsa(q, k, v, tree, include_self=include_self, pos=p)
-        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        recorded = causal_hsa(*inputs, tree, include_self=include_self, pos=p)
+            y_chunked, grads_chunked = recorded(include_self, p)
         torch.testing.assert_close(chunked, whole, atol=1e-13, rtol=1e-13)
-        torch.testing.assert_close(recorded.detach(), whole, atol=1e-13, rtol=1e-13)
+        torch.testing.assert_close(y, whole, atol=1e-13, rtol=1e-13)
+        torch.testing.assert_close(y_chunked, whole, atol=1e-13, rtol=1e-13)
+        for a, b in zip(grads_chunked, grads):
+            torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-13)
         rows = torch.tensor([0, 100, 149, 151, 170, n - 1])
         ref = dense_causal_hsa(parent, q, k, v, include_self=include_self, pos=p)
         torch.testing.assert_close(whole[rows], ref[rows], atol=1e-10, rtol=1e-10)
