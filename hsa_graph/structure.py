@@ -404,6 +404,19 @@ class TreeStructure:
         """Rows in node index order ``[M, ...]`` (e.g. positions) -> unified order."""
         return values.index_select(0, self.node_of_unified)
 
+    def unified_rows(self, leaf_values: Tensor, internal_values: Tensor,
+                     ids: Tensor) -> Tensor:
+        """Rows ``ids`` (unified ids: leaf rows ``0 .. N - 1``, then internal rows; ``M``
+        the null row, last of ``internal_values`` ``[I + 1, ...]``) of the node table
+        that stacks ``leaf_values`` ``[N, ...]`` and ``internal_values``, read without
+        forming that table: ``[len(ids), ...]``."""
+        n = self.num_leaves
+        is_leaf = (ids < n).view(-1, *([1] * (leaf_values.dim() - 1)))
+        if n == 0:
+            return internal_values.index_select(0, ids - n)
+        return torch.where(is_leaf, leaf_values.index_select(0, ids.clamp_max(n - 1)),
+                           internal_values.index_select(0, (ids - n).clamp_min(0)))
+
     def to_node_order(self, values: Tensor) -> Tensor:
         """Rows in unified order ``[M, ...]`` (e.g. :attr:`depth`) -> node index order."""
         return values.index_select(0, self.unified_of_node)

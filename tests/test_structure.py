@@ -620,3 +620,15 @@ def test_to_internal_family_sums_honour_out():
     result = s.to_internal(leaf, out=out, family_sums=sums)
     assert result.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, expected)
+
+
+def test_unified_rows_read_the_stacked_node_table():
+    """unified_rows(leaf, internal, ids) is row ids of cat([leaf, internal]) (unified
+    ids: leaves first, the null row last), without forming that table."""
+    s = TreeStructure.from_parent(torch.tensor([-1, 0, 0, 1, 1, 2, 2, 2]))
+    n, i = s.num_leaves, s.num_internal
+    leaf = torch.randn(n, 2, 3)
+    internal = torch.randn(i + 1, 2, 3)
+    ids = torch.tensor([0, n - 1, n, n + i, 2, n + 1, n + i])
+    torch.testing.assert_close(s.unified_rows(leaf, internal, ids),
+                               torch.cat([leaf, internal])[ids], atol=0, rtol=0)

@@ -937,7 +937,7 @@ class BatchedHSACache:
         fresh = BatchedHSACache(p, self.include_self, self.scale, self.max_depth)
         fresh.token_spec = spec
         state = fresh._empty_state(p, levels, width)
-        _fill_prompt_state(state, means, size, lam, child, group, slot, spine,
+        _fill_prompt_state(state, st, means, size, lam, child, group, slot, spine,
                            per_group.view(p, levels), x.scale)
         fresh._state = state
         fresh._count = per_group.view(p, levels).cpu()
@@ -1002,14 +1002,15 @@ def _completed_children(st: TreeStructure, spine: Tensor
     return child, group, slot, per_group
 
 
-def _fill_prompt_state(state: CacheState, means: Sequence[Tuple[Tensor, Tensor]],
-                       size: Tensor, lam: Tensor,
+def _fill_prompt_state(state: CacheState, st: TreeStructure,
+                       means: Sequence[Tuple[Tensor, Tensor]], size: Tensor, lam: Tensor,
                        child: Tensor, group: Tensor, slot: Tensor, spine: Tensor,
                        count: Tensor, scale: float) -> None:
     r"""Write the state that stepping through the prompts would leave into the empty
     ``state`` (``P`` prompts, ``L`` levels) of :meth:`BatchedHSACache.prefill`.
 
     Args:
+        st: the prompts' structure (it reads unified node ids).
         means: the per-node means of ``q``, ``k``, ``v`` as ``(leaf rows [N, H, .],
             internal rows [I + 1, H, .])`` (unified id ``M``, the last internal row: a
             padding node of size 1); size: ``[M + 1]``; lam: :math:`\lambda` ``[M + 1,
@@ -1023,12 +1024,8 @@ def _fill_prompt_state(state: CacheState, means: Sequence[Tuple[Tensor, Tensor]]
     dim = means[0][0].shape[-1]
 
     def rows(ids: Tensor) -> List[Tensor]:
-        """The means of q, k, v at unified node ids ``ids`` (only those rows are read:
-        tables of every node would be copies of the whole prompt)."""
-        n = means[0][0].shape[0]
-        leaf = (ids < n).view(-1, *([1] * 2))
-        return [torch.where(leaf, a[ids.clamp_max(n - 1)], c[(ids - n).clamp_min(0)])
-                for a, c in means]
+        # only those rows are read: tables of every node would copy the whole prompt
+        return [st.unified_rows(leaf, internal, ids) for leaf, internal in means]
 
     def sums(ids: Tensor) -> Tensor:                                   # [K, H, F]
         n_ids = size[ids][:, None, None]

@@ -369,7 +369,8 @@ class NodeTables:
     def split(self, sizes: List[int]) -> List[NodeTables]:
         """The tables of consecutive head chunks of ``sizes`` heads (views through
         ``torch.split``, whose backward concatenates the chunks' gradients: a slice's
-        would zero-fill a gradient of the whole table per chunk)."""
+        would zero-fill a gradient of the whole table per chunk; positions shared by all
+        heads stay whole)."""
         if len(sizes) == 1:
             return [self]
 
@@ -385,19 +386,6 @@ class NodeTables:
         return [NodeTables(leaf=leaf[i], internal=internal[i], leaf_rows=leaf_rows[i],
                            internal_rows=internal_rows[i], lam=lam[i], size=self.size,
                            log_size=self.log_size, pos=pos[i]) for i in range(len(sizes))]
-
-    def heads(self, lo: int, hi: int) -> NodeTables:
-        """The tables of heads ``lo .. hi - 1`` (views; positions shared by all heads
-        stay whole)."""
-        if (lo, hi) == (0, self.lam.shape[0]):
-            return self
-        pos = self.pos if self.pos is None or self.pos.shape[0] == 1 else self.pos[lo:hi]
-        return NodeTables(leaf=tuple(t[lo:hi] for t in self.leaf),
-                          internal=tuple(t[lo:hi] for t in self.internal),
-                          leaf_rows=tuple(t[:, lo:hi] for t in self.leaf_rows),
-                          internal_rows=tuple(t[:, lo:hi] for t in self.internal_rows),
-                          lam=self.lam[lo:hi], size=self.size, log_size=self.log_size,
-                          pos=pos)
 
 
 @dataclass(frozen=True)
@@ -760,15 +748,16 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     consts = [[_slot_tables(g, nodes, q.dtype) for g in level.groups]
               for level in plan.levels]
     per_chunk = max(1, _CHUNK_BYTES // (widest * q.element_size()))
-    chunks = [(lo, min(h, lo + per_chunk)) for lo in range(0, h, per_chunk)]
+    sizes = [min(per_chunk, h - lo) for lo in range(0, h, per_chunk)]
+    parts = nodes.split(sizes)
     if recording:
         return _TokenMajor.apply(torch.cat([
             _causal_heads(st, plan, consts, part, include_self, scale, recording)
-            for part in nodes.split([hi - lo for lo, hi in chunks])]))
+            for part in parts]))
     y = torch.empty_like(v)
-    for lo, hi in chunks:
-        y[:, lo:hi] = _causal_heads(st, plan, consts, nodes.heads(lo, hi), include_self,
-                                    scale, recording).transpose(0, 1)
+    for lo, part in zip(range(0, h, per_chunk), parts):
+        y[:, lo:lo + part.lam.shape[0]] = _causal_heads(
+            st, plan, consts, part, include_self, scale, recording).transpose(0, 1)
     return y
 
 
