@@ -439,7 +439,7 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
                       lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
 
 
-def _per_head_bmm(a: Tensor, b: Tensor, recording: bool = True) -> Tensor:
+def _per_head_bmm(a: Tensor, b: Tensor, recording: bool) -> Tensor:
     """``a @ b`` for ``[H, R, ., .]`` operands of any strides (a head axis of size 1
     broadcasts). Where both merge their two batch axes into one, one batched matmul;
     else one per head, which reads strided rows in place (the token-major leaf rows,

@@ -163,6 +163,16 @@ def check_scale(scale) -> Optional[float]:
     return scale
 
 
+def _nonfinite_rows(rows: Tensor) -> Tensor:
+    """``[R]`` whether each row of ``rows`` ``[R, C]`` holds a NaN or inf. A NaN or inf
+    makes its row's sum non-finite (so may an overflow of finite values): one
+    reduction, and the exact test on the rows it flags only."""
+    suspect = ~torch.isfinite(rows.sum(1, dtype=torch.float64))
+    if bool(suspect.any()):
+        suspect[suspect.clone()] = ~torch.isfinite(rows[suspect]).all(1)
+    return suspect
+
+
 def _check_finite(st: TreeStructure, tensors: Iterable[Tuple[str, Optional[Tensor]]],
                   leaf_rows: Tuple[str, ...] = ("q", "k", "v")) -> None:
     """Name the first tensor and row holding a NaN or inf. One host synchronisation per
@@ -170,15 +180,9 @@ def _check_finite(st: TreeStructure, tensors: Iterable[Tuple[str, Optional[Tenso
     for name, t in tensors:
         if t is None or t.numel() == 0:
             continue
-        rows = t.reshape(t.shape[0], -1)
-        # a NaN or inf makes its row's sum non-finite (so may an overflow of finite
-        # values): one reduction, and the exact test on the rows it flags only
-        suspect = ~torch.isfinite(rows.sum(1, dtype=torch.float64))
-        if not bool(suspect.any()):
-            continue
-        bad = ~torch.isfinite(rows[suspect]).all(1)
+        bad = _nonfinite_rows(t.reshape(t.shape[0], -1))
         if bool(bad.any()):
-            row = int(suspect.nonzero()[int(bad.nonzero()[0])])
+            row = int(bad.nonzero()[0])
             if name == "pos":
                 where = f"node {row}"
             elif name in leaf_rows:
@@ -342,7 +346,7 @@ def check_step_tokens(q: Tensor, k: Tensor, v: Tensor, batch_size: Optional[int]
                          f"{tuple(q.shape)} and v {tuple(v.shape)}")
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
-            bad = ~torch.isfinite(t.reshape(t.shape[0] if batch_size else 1, -1)).all(1)
+            bad = _nonfinite_rows(t.reshape(t.shape[0] if batch_size else 1, -1))
             if bool(bad.any()):
                 where = ("(the new token)" if batch_size is None else
                          f"in row {first_true(bad.cpu())} (that sequence's new token)")
