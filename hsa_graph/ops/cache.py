@@ -14,7 +14,7 @@ keeps exactly this for ``B`` sequences at once, as one padded :class:`CacheState
 (``[B, depth, H, b, .]``, ``b``: the most completed children any open node holds), and
 :meth:`BatchedHSACache.step` takes one new token of every sequence in one call of a fixed
 handful of tensor ops: the spine sums of every level in one matmul (:func:`spine_sums`),
-the sibling logits of every level in one batched matmul (:func:`left_siblings`), the
+the sibling logits of every level in two batched matmuls (:func:`left_siblings`), the
 ``B``-wide recursion of :math:`\lambda` up the levels (:func:`spine_step`, the only
 per-level part: two ops on ``[B, H]``), the top-down sum (:func:`top_down`), and the
 gathers and scatters that file each sequence's completing child (its terms were computed
@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,10 +69,9 @@ class CacheState:
     count repeated per head, so that one matmul carries sums and counts together).
 
     Attributes:
-        members: ``[B, L, H, W, 2D + Dv]``, the means :math:`r_k | r_q | r_v` of each
-            completed child (keys first, the swap of a sum row's ``q | k``, so that one
-            matmul gives a query's row and column logits; heads before slots, so that
-            it is one batched matmul over ``[B, L, H]``).
+        members: ``[B, L, H, W, 2D + Dv]``, the means :math:`r_q | r_k | r_v` of each
+            completed child (heads before slots, so that the logits against them are
+            batched matmuls over ``[B, L, H]``).
         size: ``[B, L, W]``, :math:`n(C)`.
         base: ``[B, L, H, W]``, :math:`G(C) = \mathrm{logaddexp}(\lambda(C), F(C))` with
             :math:`F(C) = \log\sum_{B \ne C} n(B)\, e^{z(C, B)}` over the other completed
@@ -82,12 +82,12 @@ class CacheState:
         left: ``[B, L, H, F]``, the sum row of the completed children together.
         child: ``[B, L, H, F]``, the sum row of the open child (the spine node one level
             down, the newest leaf at the deepest level).
-        child_col: ``[B, L, H, W]``, the open child :math:`S`'s column logits
-            :math:`s\langle r_q(C), r_k(S)\rangle + \log n(S)` against the completed
-            children, and ``child_base`` ``[B, L, H]`` its :math:`G(S) =
-            \mathrm{logaddexp}(\lambda(S), \eta(S))`, both from the newest step: when
-            :math:`S` completes, these are exactly the terms its parent's :math:`G`
-            gains (:meth:`BatchedHSACache._push` computes nothing).
+        child_gain: ``[B, L, H, W]``, every completed child's :math:`G(C)` with the
+            open child :math:`S` added, :math:`\mathrm{logaddexp}(G(C),
+            s\langle r_q(C), r_k(S)\rangle + \log n(S))`, and ``child_base``
+            ``[B, L, H]`` :math:`S`'s own :math:`G(S) = \mathrm{logaddexp}(\lambda(S),
+            \eta(S))`, both from the newest step: when :math:`S` completes they are its
+            parent's new :math:`G` (:meth:`BatchedHSACache._push` computes nothing).
 
     Invariants the step relies on (instead of masks): ``size`` is 0 in every slot at or
     beyond the level's count of completed children (so :math:`\log n = -\infty` drops
@@ -100,11 +100,11 @@ class CacheState:
     base: Tensor
     left: Tensor
     child: Tensor
-    child_col: Tensor
+    child_gain: Tensor
     child_base: Tensor
 
     #: the slot dimension of each tensor padded to ``W`` (the level dimension is 1)
-    WIDTH_DIM = {"members": 3, "size": 2, "base": 3, "child_col": 3}
+    WIDTH_DIM = {"members": 3, "size": 2, "base": 3, "child_gain": 3}
 
     def __post_init__(self):
         self._views: Optional[StateViews] = None
@@ -114,11 +114,12 @@ class CacheState:
         ``base`` and ``left`` change in place only (a new layout is a new state)."""
         if self._views is None:
             b, levels, h, width, _ = self.members.shape
+            rows = self.members.view(b * levels * h, width, -1)
             self._views = StateViews(
-                keys_t=self.members[..., :2 * dim].transpose(-1, -2),
-                values=self.members[..., 2 * dim:], size_row=self.size.unsqueeze(2),
-                size_col=self.size.unsqueeze(-1), left_rows=self.left.view(b, levels, -1),
-                left_count=self.left[..., -1],
+                queries_t=rows[..., :dim].transpose(1, 2),
+                keys_t=rows[..., dim:2 * dim].transpose(1, 2), values=rows[..., 2 * dim:],
+                size_row=self.size.unsqueeze(2), size_col=self.size.view(b * levels, width, 1),
+                left_rows=self.left.view(b, levels, -1), left_count=self.left[..., -1],
                 flat_members=self.members.view(b * levels, h, width, -1),
                 flat_base=self.base.view(b * levels, h, width), flat_size=self.size.view(-1),
                 flat_left=self.left.view(b * levels, h, -1))
@@ -134,7 +135,7 @@ class CacheState:
         return cls(members=zeros(batch, depth, heads, width, f - 1),
                    size=zeros(batch, depth, width), base=zeros(batch, depth, heads, width),
                    left=zeros(batch, depth, heads, f), child=zeros(batch, depth, heads, f),
-                   child_col=zeros(batch, depth, heads, width),
+                   child_gain=zeros(batch, depth, heads, width),
                    child_base=zeros(batch, depth, heads))
 
     def tensors(self) -> Dict[str, Tensor]:
@@ -182,15 +183,17 @@ class StateViews:
     """Views of a :class:`CacheState` (``F`` features of a sum row, ``F' = F - 1``).
 
     Attributes:
-        keys_t: ``[B, L, H, 2D, W]``, :math:`(r_k | r_q)^T` of the members.
-        values: ``[B, L, H, W, Dv]``, their :math:`r_v`.
-        size_row, size_col: ``[B, L, 1, W]`` and ``[B, L, W, 1]``, :math:`n(C)`.
+        queries_t, keys_t: ``[B L H, D, W]``, :math:`r_q^T` and :math:`r_k^T` of the
+            members (the open nodes' heads as one batch of matrices, for ``bmm``).
+        values: ``[B L H, W, Dv]``, their :math:`r_v`.
+        size_row, size_col: ``[B, L, 1, W]`` and ``[B L, W, 1]``, :math:`n(C)`.
         left_rows: ``[B, L, H F]``; left_count: ``[B, L, H]``, the left sums' counts.
         flat_members, flat_base, flat_size, flat_left: the open nodes flattened to
             ``B L`` rows (``[B L, H, W, F']``, ``[B L, H, W]``, ``[B L W]``,
             ``[B L, H, F]``), for the per-sequence gathers and scatters.
     """
 
+    queries_t: Tensor
     keys_t: Tensor
     values: Tensor
     size_row: Tensor
@@ -206,7 +209,7 @@ class StateViews:
 @dataclass(frozen=True)
 class StepPlan:
     """Where one :meth:`BatchedHSACache.step` puts each sequence's new leaf, as host
-    long tensors (so that no capacity or validity decision waits on the device).
+    int64 arrays (so that no capacity or validity decision waits on the device).
 
     Attributes:
         attach: ``[B]``, the depth the new leaf descends from (``-1``: a first token).
@@ -218,12 +221,12 @@ class StepPlan:
             previous leaf), or ``None`` where no sequence closes one.
     """
 
-    attach: Tensor
-    depth: Tensor
-    rows: Tensor
-    level: Tensor
-    slots: Tensor
-    closed: Optional[Tensor]
+    attach: np.ndarray
+    depth: np.ndarray
+    rows: np.ndarray
+    level: np.ndarray
+    slots: np.ndarray
+    closed: Optional[np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -233,14 +236,14 @@ class LeftSiblings:
     (``theta_bar`` ``[B, L, H, Dv]``): :math:`\eta_i(S)`, :math:`\bar\theta_i(S)`, and
     the two coefficients of the parent's :math:`\lambda` (see :func:`spine_step`)
     ``offset`` :math:`= \mathrm{total} / n_i(A)` and ``weight`` :math:`= n_i(S) /
-    n_i(A)`, and the column logits ``col`` :math:`s\langle r_q(C), r_k(S_i)\rangle + \log
-    n_i(S)` ``[B, L, H, W]``."""
+    n_i(A)`, and ``gain`` ``[B, L, H, W]``, each completed child's :math:`G(C)` with
+    :math:`S` added (see :class:`CacheState`)."""
 
     eta: Tensor
     theta_bar: Tensor
     offset: Tensor
     weight: Tensor
-    col: Tensor
+    gain: Tensor
 
 
 @dataclass(frozen=True)
@@ -248,33 +251,6 @@ class CacheLevel:
     """One open spine node of :class:`HSACache`: ``size`` completed children kept."""
 
     size: int
-
-
-_SPLIT_MASKS: Dict[tuple, Tensor] = {}
-_MEMBER_ORDERS: Dict[tuple, Tensor] = {}
-
-
-def _split_mask(dim: int, scale: float, like: Tensor) -> Tensor:
-    """``scale * [[1]*D + [0]*D, [0]*D + [1]*D]`` ``[2, 2D]``, cached per dtype and
-    device."""
-    key = (dim, scale, like.dtype, like.device)
-    if key not in _SPLIT_MASKS:
-        mask = torch.zeros(2, 2 * dim, dtype=like.dtype, device=like.device)
-        mask[0, :dim] = scale
-        mask[1, dim:] = scale
-        _SPLIT_MASKS[key] = mask
-    return _SPLIT_MASKS[key]
-
-
-def _member_order(dim: int, like: Tensor) -> Tensor:
-    """The features of a sum row ``q | k | v | n`` that make a member row
-    ``k | q | v``, cached per device."""
-    key = (dim, like.shape[-1], like.device)
-    if key not in _MEMBER_ORDERS:
-        f = like.shape[-1]
-        _MEMBER_ORDERS[key] = torch.cat([torch.arange(dim, 2 * dim), torch.arange(dim),
-                                         torch.arange(2 * dim, f - 1)]).to(like.device)
-    return _MEMBER_ORDERS[key]
 
 
 def spine_sums(left_rows: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
@@ -286,8 +262,8 @@ def spine_sums(left_rows: Tensor, leaf: Tensor, upper: Tensor) -> Tensor:
     leaf alone (their ``left`` is 0). ``left_rows``: the left sums ``[B, L, H F]``, ``leaf``
     ``[B, H, F]``."""
     b, levels = left_rows.shape[:2]
-    above = torch.matmul(upper, left_rows).view(b, levels, *leaf.shape[1:])
-    return above.add_(leaf[:, None])
+    sums = torch.baddbmm(leaf.view(b, 1, -1), upper.expand(b, levels, levels), left_rows)
+    return sums.view(b, levels, *leaf.shape[1:])
 
 
 def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
@@ -310,23 +286,29 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     0 and ``weight`` 1 (so :math:`\mu = 1` there) and a finite, unused
     :math:`\bar\theta`.
     """
+    b, levels, h, f = sums.shape
     count = sums[..., -1]                                               # [B, L, H]
     views = state.views(dim)
-    # [q | 0] and [0 | k] against [r_k | r_q]: both logits of a level in one matmul
-    pair = sums[..., None, :2 * dim] * _split_mask(dim, scale, sums)    # [B, L, H, 2, 2D]
-    dots = torch.matmul(pair, views.keys_t)                             # [B, L, H, 2, W]
-    factor = count.reciprocal().unsqueeze(-1)                           # sums -> means
-    row = torch.addcmul(views.size_row.log(), dots[..., 0, :], factor)
-    col = torch.addcmul(count.log().unsqueeze(-1), dots[..., 1, :], factor)
-    eta = torch.logsumexp(row, -1)
-    # empty slots at the lowest float weigh exactly 0 next to a real one; a level with
-    # none gets finite weights whose theta_bar top_down multiplies by exactly 0
-    weights = torch.softmax(row.clamp_min(torch.finfo(row.dtype).min), -1)
-    theta_bar = torch.matmul(weights.unsqueeze(-2), views.values).squeeze(-2)
-    total = torch.matmul(logaddexp(state.base, col), views.size_col).squeeze(-1)
+    each = sums.view(-1, 1, f)                                          # [B L H, 1, F]
+    row_dots = torch.bmm(each[..., :dim], views.keys_t).view(b, levels, h, -1)
+    col_dots = torch.bmm(each[..., dim:2 * dim], views.queries_t).view(b, levels, h, -1)
+    factor = count.reciprocal().mul_(scale).unsqueeze(-1)              # sums -> means
+    row = torch.addcmul(views.size_row.log(), row_dots, factor)
+    col = torch.addcmul(count.log().unsqueeze(-1), col_dots, factor)
+    # logsumexp and softmax from one exp (torch.logsumexp is a dozen kernels); a level
+    # without completed children (every logit -inf) gets eta = -inf and weights 0
+    finfo = torch.finfo(row.dtype)
+    peak = row.amax(-1, keepdim=True).clamp_min_(finfo.min)
+    weights = (row - peak).exp_()
+    total_w = weights.sum(-1, keepdim=True)
+    eta = total_w.log().add_(peak).squeeze(-1)
+    weights.div_(total_w.clamp_min_(finfo.tiny))
+    theta_bar = torch.bmm(weights.view(-1, 1, weights.shape[-1]), views.values)
+    gain = logaddexp(state.base, col)
+    total = torch.bmm(gain.view(b * levels, h, -1), views.size_col).view(b, levels, h)
     parent_count = count + views.left_count
-    return LeftSiblings(eta=eta, theta_bar=theta_bar, offset=total / parent_count,
-                        weight=count / parent_count, col=col)
+    return LeftSiblings(eta=eta, theta_bar=theta_bar.view(b, levels, h, -1),
+                        offset=total / parent_count, weight=count / parent_count, gain=gain)
 
 
 def spine_step(lam: Tensor, eta: Tensor, offset: Tensor, weight: Tensor,
@@ -353,40 +335,39 @@ def spine_step(lam: Tensor, eta: Tensor, offset: Tensor, weight: Tensor,
 
 def top_down(log_mu: Tensor, theta_bar: Tensor, v: Optional[Tensor]) -> Tensor:
     r"""The output from the spine, root first: with :math:`m_l = \prod_{l' < l}
-    \mu_{l'}` (``log_mu`` ``[B, L, H]``, ``theta_bar`` ``[B, L, H, Dv]``),
+    \mu_{l'}` (``log_mu`` ``[B, L + 1, H]``: a 0, then :math:`\log\mu_l` root first;
+    ``theta_bar`` ``[B, L, H, Dv]``),
 
     .. math::
         y = \sum_l (m_l - m_{l + 1})\, \bar\theta_l \;(+\ m_L\, v_i),
 
     :math:`m_l - m_{l+1} = m_l (1 - \mu_l)`; ``v`` ``[B, H, Dv]`` is the leaf's own value
     (``None`` without ``include_self``)."""
-    # log m: inclusive prefix sums behind a 0 (shifted, not subtracted: log mu is
-    # -inf for a leaf that skips itself)
-    run = torch.cumsum(log_mu, 1)
-    m = torch.cat([run.new_zeros(run.shape[0], 1, run.shape[2]), run], 1).exp_()  # [B, L+1, H]
+    # log m: prefix sums behind the 0 (shifted, not subtracted: log mu is -inf for a
+    # leaf that skips itself)
+    m = torch.cumsum(log_mu, 1).exp_()                                  # [B, L + 1, H]
     share = m[:, :-1] - m[:, 1:]
     y = (share.unsqueeze(-1) * theta_bar).sum(1)
     return y if v is None else torch.addcmul(y, m[:, -1].unsqueeze(-1), v)
 
 
-def _placement(name: str, value: Placement, batch: int) -> Tuple[Tensor, Tensor]:
-    """``attach`` / ``depth`` as given -> CPU long values ``[B]`` and whether each row
+def _placement(name: str, value: Placement, batch: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``attach`` / ``depth`` as given -> host int64 values ``[B]`` and whether each row
     gave one ``[B]``."""
     if value is None:
-        return torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.bool)
+        return np.zeros(batch, np.int64), np.zeros(batch, bool)
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, a sequence of B = {batch} ints (or None) "
                         f"or an integer tensor [B], got a bool")
     if isinstance(value, int):
-        return (torch.full((batch,), value, dtype=torch.long),
-                torch.ones(batch, dtype=torch.bool))
+        return np.full(batch, value, np.int64), np.ones(batch, bool)
     if isinstance(value, Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
         if value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"{name} must have one entry per sequence (B = {batch}), got "
                              f"shape {tuple(value.shape)}")
-        return value.to("cpu", torch.long), torch.ones(batch, dtype=torch.bool)
+        return value.to("cpu", torch.long).numpy(), np.ones(batch, bool)
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be None, an int, a sequence of ints or an integer "
                         f"tensor, got {type(value).__name__}")
@@ -397,9 +378,8 @@ def _placement(name: str, value: Placement, batch: int) -> Tuple[Tensor, Tensor]
         if entry is not None and (isinstance(entry, bool) or not isinstance(entry, int)):
             raise TypeError(f"{name}[{row}] must be an int or None, got "
                             f"{type(entry).__name__}")
-    given = torch.tensor([entry is not None for entry in value], dtype=torch.bool)
-    values = torch.tensor([0 if entry is None else entry for entry in value],
-                          dtype=torch.long)
+    given = np.array([entry is not None for entry in value], bool)
+    values = np.array([0 if entry is None else entry for entry in value], np.int64)
     return values, given
 
 
@@ -460,14 +440,15 @@ class BatchedHSACache:
         self.token_spec: Optional[tuple] = None
         self._state: Optional[CacheState] = None
         self._upper_ones: Optional[Tensor] = None     # spine_sums' [L, L], per capacity
-        # host-side counters: placements are host values, so capacity and validity
-        # decisions never wait on the device
-        self._count = torch.zeros(batch_size, 1, dtype=torch.long)   # [B, L] completed
-        self._depth = torch.zeros(batch_size, dtype=torch.long)      # newest leaf's depth
-        self._tokens = torch.zeros(batch_size, dtype=torch.long)
+        # host-side counters (numpy: a step's bookkeeping is a few small-array ops,
+        # each a tenth of a torch op's dispatch): placements are host values, so
+        # capacity and validity decisions never wait on the device
+        self._count = np.zeros((batch_size, 1), np.int64)   # [B, L] completed children
+        self._depth = np.zeros(batch_size, np.int64)        # newest leaf's depth
+        self._tokens = np.zeros(batch_size, np.int64)
         # host-side facts of the batch, derived lazily (None: to derive again)
         self._started: Optional[bool] = None     # every sequence holds a token
-        self._rows: Optional[Tensor] = None      # arange(B)
+        self._rows: Optional[np.ndarray] = None  # arange(B)
 
     def _all_started(self) -> bool:
         """Whether every sequence holds a token (no first tokens in this step)."""
@@ -475,9 +456,9 @@ class BatchedHSACache:
             self._started = bool(self.batch_size) and bool((self._tokens > 0).all())
         return self._started
 
-    def _all_rows(self) -> Tensor:
+    def _all_rows(self) -> np.ndarray:
         if self._rows is None or self._rows.shape[0] != self.batch_size:
-            self._rows = torch.arange(self.batch_size)
+            self._rows = np.arange(self.batch_size)
         return self._rows
 
     def _membership_changed(self) -> None:
@@ -516,8 +497,7 @@ class BatchedHSACache:
         """Bytes of the cache state (device tensors and host counters); with
         ``per_sequence`` divided by ``B`` (the state is padded to the widest
         sequence)."""
-        total = sum(t.numel() * t.element_size()
-                    for t in (self._count, self._depth, self._tokens))
+        total = sum(t.nbytes for t in (self._count, self._depth, self._tokens))
         if self._state is not None:
             total += self._state.nbytes()
         return total // max(1, self.batch_size) if per_sequence else total
@@ -550,8 +530,7 @@ class BatchedHSACache:
 
     def _pad_count(self, depth: int) -> None:
         if self._count.shape[1] < depth:
-            self._count = torch.cat([self._count, self._count.new_zeros(
-                self._count.shape[0], depth - self._count.shape[1])], 1)
+            self._count = np.pad(self._count, ((0, 0), (0, depth - self._count.shape[1])))
 
     def _ensure(self, depth: int, width: int) -> None:
         """Grow the padded state to hold ``depth`` levels of ``width`` children (the
@@ -603,10 +582,9 @@ class BatchedHSACache:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         first = self.batch_size
-        self._count = torch.cat([self._count, self._count.new_zeros(count,
-                                                                    self._count.shape[1])])
-        self._depth = torch.cat([self._depth, self._depth.new_zeros(count)])
-        self._tokens = torch.cat([self._tokens, self._tokens.new_zeros(count)])
+        self._count = np.pad(self._count, ((0, count), (0, 0)))
+        self._depth = np.pad(self._depth, (0, count))
+        self._tokens = np.pad(self._tokens, (0, count))
         if self._state is not None:
             depth, width = self.capacity
             self._state = self._state.cat(self._empty_state(count, depth, width))
@@ -623,8 +601,9 @@ class BatchedHSACache:
         self._membership_changed()
         b = self.batch_size
         kept = kept_rows(indices, b)
-        self._count, self._depth = self._count[kept], self._depth[kept]
-        self._tokens = self._tokens[kept]
+        rows = kept.numpy()
+        self._count, self._depth = self._count[rows], self._depth[rows]
+        self._tokens = self._tokens[rows]
         if self._state is not None:
             kept = kept.to(self._device())
             self._state = self._state.select(kept)
@@ -657,9 +636,9 @@ class BatchedHSACache:
             other._state = self._empty_state(other.batch_size, *self.capacity)
             self._state = self._state.cat(other._state)
         self._pad_count(other._count.shape[1])
-        self._count = torch.cat([self._count, other._count])
-        self._depth = torch.cat([self._depth, other._depth])
-        self._tokens = torch.cat([self._tokens, other._tokens])
+        self._count = np.concatenate([self._count, other._count])
+        self._depth = np.concatenate([self._depth, other._depth])
+        self._tokens = np.concatenate([self._tokens, other._tokens])
         other.drop(list(range(other.batch_size)))
         return list(range(first, self.batch_size))
 
@@ -673,37 +652,38 @@ class BatchedHSACache:
             return q, k, v
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
-    def _placements(self, attach: Placement, depth: Placement) -> Tuple[Tensor, Tensor]:
+    def _placements(self, attach: Placement, depth: Placement
+                    ) -> Tuple[np.ndarray, np.ndarray]:
         """Checked per-row ``attach`` (``-1``: a sequence's first token) and ``depth``,
-        as host tensors ``[B]``: one vectorised test of every rule, and the detailed
+        as host arrays ``[B]``: one vectorised test of every rule, and the detailed
         message (:meth:`_refuse`) only for a call that breaks one."""
         b, prev = self.batch_size, self._depth
         started = self._all_started()
         if depth is None:               # the previous depth: nothing to refuse
-            new_depth = prev if started else prev.clamp_min(1)
+            new_depth = prev if started else np.maximum(prev, 1)
             bad = None
         else:
             if isinstance(depth, int) and not isinstance(depth, bool):
-                new_depth = torch.full((b,), depth, dtype=torch.long)
+                new_depth = np.full(b, depth, np.int64)
             else:
                 depth_v, given = _placement("depth", depth, b)
-                new_depth = torch.where(given, depth_v, prev.clamp_min(1))
+                new_depth = np.where(given, depth_v, np.maximum(prev, 1))
             bad = (new_depth < 1) | (new_depth > self.max_depth)
         # the deepest attach allowed; -1 for a first token (a sequence without tokens)
-        highest = prev - 1 if depth is None else torch.minimum(prev, new_depth) - 1
+        highest = prev - 1 if depth is None else np.minimum(prev, new_depth) - 1
         if attach is None:              # the same family: always allowed
             attach_v = highest
         elif started and isinstance(attach, int) and not isinstance(attach, bool):
             if attach < 0 or attach > int(highest.min()):
                 self._refuse(attach, depth)
-            attach_v = torch.full((b,), attach, dtype=torch.long)
+            attach_v = np.full(b, attach, np.int64)
         else:
             if isinstance(attach, int) and not isinstance(attach, bool):
-                attach_v = torch.full((b,), attach, dtype=torch.long)
+                attach_v = np.full(b, attach, np.int64)
             else:
                 value, given = _placement("attach", attach, b)
-                attach_v = torch.where(given, value, highest)
-            wrong = (attach_v > highest) | (attach_v < highest.clamp_max(0))
+                attach_v = np.where(given, value, highest)
+            wrong = (attach_v > highest) | (attach_v < np.minimum(highest, 0))
             bad = wrong if bad is None else bad | wrong
         if bad is not None and bool(bad.any()):
             self._refuse(attach, depth)
@@ -719,7 +699,7 @@ class BatchedHSACache:
             r = first_true(bad)
             raise ValueError(f"depth[{r}] must be an int >= 1 (leaves hang below a root), "
                              f"got {int(depth_v[r])}")
-        new_depth = torch.where(depth_given, depth_v, prev.clamp_min(1))
+        new_depth = np.where(depth_given, depth_v, np.maximum(prev, 1))
         bad = new_depth > self.max_depth
         if bool(bad.any()):
             r = first_true(bad)
@@ -734,8 +714,8 @@ class BatchedHSACache:
             raise ValueError(f"attach[{r}]: sequence {r} has no token yet, so its first "
                              f"token opens the root: attach must be None, got "
                              f"{int(attach_v[r])}")
-        highest = torch.minimum(prev, new_depth) - 1
-        attach_v = torch.where(fresh, -1, torch.where(attach_given, attach_v, highest))
+        highest = np.minimum(prev, new_depth) - 1
+        attach_v = np.where(fresh, -1, np.where(attach_given, attach_v, highest))
         r = first_true(~fresh & ((attach_v < 0) | (attach_v > highest)))
         raise ValueError(
             f"attach[{r}] must be a depth in 0..{int(highest[r])} (sequence {r}'s "
@@ -744,16 +724,15 @@ class BatchedHSACache:
 
     def _plan(self, attach: Placement, depth: Placement) -> StepPlan:
         """The checked placements, the completing children and the closing levels (host
-        tensors only); grows the state to hold them."""
+        arrays only); grows the state to hold them."""
         attach_v, new_depth = self._placements(attach, depth)
         if self._all_started():         # every sequence closes a child
             rows, level = self._all_rows(), attach_v
-            slots = self._count.gather(1, level[:, None]).squeeze(1)
         else:
-            rows = (attach_v >= 0).nonzero().squeeze(1)
+            rows = np.flatnonzero(attach_v >= 0)
             level = attach_v[rows]
-            slots = self._count[rows, level]
-        width = int(slots.max()) + 1 if rows.numel() else 1
+        slots = self._count[rows, level]
+        width = int(slots.max()) + 1 if rows.size else 1
         # the previous depth fits the state already
         self._ensure(self.capacity[0] if depth is None else int(new_depth.max()), width)
         # open nodes strictly between attach and the previous leaf close; the levels
@@ -761,7 +740,7 @@ class BatchedHSACache:
         closed = None
         if (attach is not None or depth is not None) and bool(
                 (attach_v < self._depth - 1).any()):
-            levels = torch.arange(self._count.shape[1])
+            levels = np.arange(self._count.shape[1])
             closed = (levels > attach_v[:, None]) & (levels < self._depth[:, None])
         return StepPlan(attach=attach_v, depth=new_depth, rows=rows, level=level,
                         slots=slots, closed=closed)
@@ -807,8 +786,8 @@ class BatchedHSACache:
         # torch's logaddexp, not the NaN-free backward of ops.hsa
         logaddexp = torch.logaddexp
         with no_autocast(q.device):
-            if plan.rows.numel():
-                self._push(plan, logaddexp)
+            if plan.rows.size:
+                self._push(plan)
             if plan.closed is not None:
                 self._close(plan.closed)
             y = self._climb(q, k, v, logaddexp)
@@ -817,34 +796,43 @@ class BatchedHSACache:
         self._started = True
         return y.to(self.token_spec[3])
 
-    def _push(self, plan: StepPlan, logaddexp: Callable[[Tensor, Tensor], Tensor]) -> None:
+    def _push(self, plan: StepPlan) -> None:
         r"""Close the open child :math:`X` at level ``attach`` of each sequence in
         ``plan.rows``: it takes slot ``plan.slots`` of its parent's completed children
         with :math:`G(X) = \mathrm{logaddexp}(\lambda(X), \mathrm{logsumexp}_C\, z(X, C)
         + \log n(C))`, and every old :math:`G(C)` gains :math:`z(C, X) + \log n(X)`.
         The newest step computed both for :math:`X` as the open child
-        (``child_base``, ``child_col``): gathers and scatters only."""
+        (``child_base``, ``child_gain``): gathers and scatters only."""
         st, dev, d = self._state, self._device(), self.token_spec[1]
-        b, levels, h, width, _ = st.members.shape
-        node = (plan.rows * levels + plan.level).to(dev)                   # [P] in B * L
-        slot = plan.slots.to(dev)
+        b, levels, h, f = st.child.shape
+        width = st.members.shape[3]
+        node = plan.rows * levels + plan.level                             # [P] in B L
+        # each head of the node and its slot, [P H] in B L H and in B L H W: flat
+        # index_copy_ (a put at [node, :, slot] is advanced indexing's slow path)
+        node_head = (node[:, None] * h + np.arange(h)).ravel()
+        head_slot = (node_head.reshape(-1, h) * width + plan.slots[:, None]).ravel()
+        node_slot = node * width + plan.slots                              # [P] in B L W
+        # one host -> device copy for all four
+        index = torch.from_numpy(np.concatenate([node, node_slot, node_head, head_slot]))
+        node, node_slot, node_head, head_slot = index.to(dev).split(
+            [node.size, node.size, node_head.size, node_head.size])
         views = st.views(d)
-        child = st.child.view(b * levels, h, -1).index_select(0, node)     # [P, H, F]
+        child = st.child.view(b * levels, h, f).index_select(0, node)      # [P, H, F]
         size_x = child[..., -1:]                                           # [P, H, 1]
-        base = views.flat_base
-        col = st.child_col.view(b * levels, h, width).index_select(0, node)
-        base.index_copy_(0, node, logaddexp(base.index_select(0, node), col))
-        base[node, :, slot] = st.child_base.view(b * levels, h).index_select(0, node)
-        means = child.index_select(-1, _member_order(d, child)) / size_x  # r_k | r_q | r_v
-        views.flat_members[node, :, slot] = means
-        views.flat_size.index_copy_(0, node * width + slot, size_x[:, 0, 0])
+        views.flat_base.index_copy_(
+            0, node, st.child_gain.view(b * levels, h, width).index_select(0, node))
+        st.base.view(-1).index_copy_(
+            0, head_slot, st.child_base.view(-1).index_select(0, node_head))
+        means = (child[..., :-1] / size_x).view(-1, f - 1)                 # r_q | r_k | r_v
+        st.members.view(-1, f - 1).index_copy_(0, head_slot, means)
+        views.flat_size.index_copy_(0, node_slot, size_x[:, 0, 0])
         views.flat_left.index_add_(0, node, child)
         self._count[plan.rows, plan.level] = plan.slots + 1
 
     def _close(self, closed: Tensor) -> None:
         """Empty the levels ``closed`` ``[B, L]`` (their open nodes close for good)."""
-        self._count.masked_fill_(closed, 0)
-        mask = closed.to(self._device())
+        self._count[closed] = 0
+        mask = torch.from_numpy(closed).to(self._device())
         self._state.left.masked_fill_(mask[..., None, None], 0.0)
         self._state.size.masked_fill_(mask[..., None], 0.0)
 
@@ -862,17 +850,18 @@ class BatchedHSACache:
         lam = (torch.linalg.vecdot(q, k) * scale if self.include_self
                else q.new_full((b, h), NEG_INF))
         lams, throughs = [], []
-        for eta, offset, weight in reversed(list(zip(sib.eta.unbind(1), sib.offset.unbind(1),
-                                                     sib.weight.unbind(1)))):
+        for eta, offset, weight in zip(sib.eta.unbind(1)[::-1], sib.offset.unbind(1)[::-1],
+                                       sib.weight.unbind(1)[::-1]):
             lams.append(lam)
             lam, through = spine_step(lam, eta, offset, weight, logaddexp)
             throughs.append(through)
-        lam_s = torch.stack(lams[::-1], 1)                                 # [B, L, H]
-        through = torch.stack(throughs[::-1], 1)
-        log_mu = lam_s - through
+        through = torch.stack(throughs[::-1], 1)                           # [B, L, H]
+        # top_down's log mu behind a 0 (log m_0: the root's mass is 1)
+        log_mu = torch.stack([lam.new_zeros(b, h), *lams[::-1]], 1)
+        log_mu[:, 1:].sub_(through)
         if not self.include_self:   # a leaf that skips itself: -inf - -inf is 0 here
-            log_mu.masked_fill_(through == NEG_INF, 0.0)
-        st.child, st.child_col, st.child_base = sums, sib.col, through
+            log_mu[:, 1:].masked_fill_(through == NEG_INF, 0.0)
+        st.child, st.child_gain, st.child_base = sums, sib.gain, through
         return top_down(log_mu, sib.theta_bar, v if self.include_self else None)
 
     # ----------------------------------------------------------------- prefill
@@ -940,9 +929,9 @@ class BatchedHSACache:
         _fill_prompt_state(state, st, means, size, lam, child, group, slot, spine,
                            per_group.view(p, levels), x.scale)
         fresh._state = state
-        fresh._count = per_group.view(p, levels).cpu()
-        fresh._depth = depth_host.clone()
-        fresh._tokens = torch.bincount(st.leaf_tree, minlength=p).cpu()
+        fresh._count = per_group.view(p, levels).cpu().numpy()
+        fresh._depth = depth_host.numpy().copy()
+        fresh._tokens = torch.bincount(st.leaf_tree, minlength=p).cpu().numpy()
         self.extend(fresh)
         if not return_outputs:
             return None
@@ -1033,7 +1022,7 @@ def _fill_prompt_state(state: CacheState, st: TreeStructure,
 
     g_seq, g_level = group // levels, group % levels
     mq, mk, mv = rows(child)
-    state.members[g_seq, g_level, :, slot] = torch.cat([mk, mq, mv], -1)  # r_k | r_q | r_v
+    state.members[g_seq, g_level, :, slot] = torch.cat([mq, mk, mv], -1)  # r_q | r_k | r_v
     state.size[g_seq, g_level, slot] = size[child]
     lam_slots = torch.zeros_like(state.base)
     lam_slots[g_seq, g_level, :, slot] = lam[child]
@@ -1050,7 +1039,7 @@ def _fill_prompt_state(state: CacheState, st: TreeStructure,
     # (ones where no node is open, only to keep the means finite)
     sib = left_siblings(state, torch.where(open_[..., None, None], open_sums, 1.0),
                         dim, scale, _logaddexp)
-    state.child_col = torch.where(open_[..., None, None], sib.col, 0.0)
+    state.child_gain = torch.where(open_[..., None, None], sib.gain, 0.0)
     state.child_base = torch.where(open_[..., None], _logaddexp(lam[safe], sib.eta), 0.0)
 
 
@@ -1062,7 +1051,7 @@ def _fixed_of(members: Tensor, size: Tensor, count: Tensor, dim: int, scale: flo
     per node), in blocks of rows ``C`` so that the ``[.., W, W]`` logits stay
     bounded."""
     p, levels, h, width, _ = members.shape
-    rk, rq = members[..., :dim], members[..., dim:2 * dim]
+    rq, rk = members[..., :dim], members[..., dim:2 * dim]
     keys = torch.arange(width, device=members.device)
     valid = keys < count.to(members.device)[..., None]                     # [P, L, W]
     log_n = size.log().masked_fill(~valid, NEG_INF)[:, :, None, None, :]
@@ -1100,8 +1089,9 @@ def parents_of_moves(moves: Sequence[Dict[str, Optional[int]]]) -> List[int]:
         if not isinstance(move, dict) or set(move) - {"attach", "depth"}:
             raise TypeError(f"moves[{row}] must be a dict with keys attach / depth, got "
                             f"{move!r}")
-    attach, a_given = _placement("attach", [m.get("attach") for m in moves], len(moves))
-    depth, d_given = _placement("depth", [m.get("depth") for m in moves], len(moves))
+    attach, a_given, depth, d_given = (torch.from_numpy(t) for t in (
+        *_placement("attach", [m.get("attach") for m in moves], len(moves)),
+        *_placement("depth", [m.get("depth") for m in moves], len(moves))))
     n = len(moves)
     rows = torch.arange(n)
     bad = d_given & (depth < 1)

@@ -23,8 +23,9 @@ import contextlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -278,9 +279,12 @@ def prepare_attention(q: Tensor, k: Tensor, v: Optional[Tensor], tree, *,
         single_head=two_dim, empty=empty)
 
 
-def first_true(mask: Tensor) -> int:
-    """Index of the first ``True`` of a 1-D mask (one host sync; for error messages)."""
-    return int(mask.nonzero()[0, 0])
+def first_true(mask: Union[Tensor, np.ndarray]) -> int:
+    """Index of the first ``True`` of a 1-D mask, a tensor (one host sync) or a host
+    array; for error messages."""
+    if isinstance(mask, Tensor):
+        return int(mask.nonzero()[0, 0])
+    return int(np.flatnonzero(mask)[0])
 
 
 def kept_rows(indices, batch_size: int) -> Tensor:
