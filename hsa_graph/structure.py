@@ -27,8 +27,8 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex", "Groups",
-           "TreeStructure"]
+__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex", "FlatTrees",
+           "Groups", "TreeStructure"]
 
 
 def records_grad(*tensors: Optional[Tensor]) -> bool:
@@ -189,6 +189,29 @@ class Groups:
 
 
 @dataclass(frozen=True)
+class FlatTrees:
+    r"""A forest of flat trees (each a root over its leaves, the trees in leaf order) as
+    ``num_trees`` blocks of ``width`` rows: attention inside each tree is attention
+    inside each block.
+
+    Attributes:
+        num_trees: ``F``.
+        width: ``b``, the leaves of the largest tree.
+        slots: ``[F b]``, the leaf row behind each block row: a tree's leaves, then its
+            last leaf repeated up to ``b`` (rows after all of the tree's own, so a
+            causal mask never lets a real row see them; without one they would count),
+            or ``None`` where every tree has ``b`` leaves (the blocks are a view of the
+            leaf rows).
+        rows: ``[N]``, the block row of each leaf row (``None`` likewise).
+    """
+
+    num_trees: int
+    width: int
+    slots: Optional[Tensor]
+    rows: Optional[Tensor]
+
+
+@dataclass(frozen=True)
 class CausalTiles:
     r"""The queries of causal HSA at one depth whose spine children sit in families of
     one padded size: the families, and the queries cut into tiles of ``T`` slots.
@@ -312,6 +335,9 @@ class TreeStructure:
         leaf_out_index: ``[N]`` row of each leaf in the concatenated slots of the
             buckets holding leaves (in bucket order), one past the end for a lonely
             leaf: :meth:`scatter_leaves` is then one gather.
+        flat_trees: the forest's blocks (:class:`FlatTrees`) when every tree is a root
+            over its leaves (and padding them to one length at most doubles the rows),
+            else ``None``: attention there is attention inside blocks.
     """
 
     num_nodes: int
@@ -329,6 +355,7 @@ class TreeStructure:
     buckets: List[FamilyBucket]
     lonely_leaf: Tensor
     leaf_out_index: Tensor
+    flat_trees: Optional[FlatTrees]
 
     @property
     def num_internal(self) -> int:
@@ -511,14 +538,12 @@ class TreeStructure:
     def flat_families(self) -> Optional[Tuple[int, int]]:
         """``(F, b)`` when the forest is ``F`` flat trees of ``b >= 2`` leaves each (a root
         over its leaves, trees in leaf order): HSA is then softmax attention inside
-        ``[F, b]`` blocks of the leaf rows; else ``None``."""
-        whole = self.whole_leaf_bucket
-        if whole is None or self.num_internal != self.num_trees or self.lonely_leaf.numel():
+        ``[F, b]`` blocks of the leaf rows (a view: :attr:`flat_trees` unpadded); else
+        ``None``."""
+        flat = self.flat_trees
+        if flat is None or flat.slots is not None or flat.width < 2:
             return None
-        bucket = self.buckets[whole]
-        if bucket.leaf_slot.numel() != bucket.num_families * bucket.size:
-            return None
-        return bucket.num_families, bucket.size
+        return flat.num_trees, flat.width
 
     @_lazy_field
     def chain_runs(self) -> Tuple[Tuple[int, int], ...]:
@@ -887,8 +912,8 @@ class TreeStructure:
         def move(value):
             if isinstance(value, Tensor):
                 return value.to(device)
-            if isinstance(value, FamilyBucket):
-                return FamilyBucket(**{k: move(v) for k, v in vars(value).items()})
+            if isinstance(value, (FamilyBucket, FlatTrees)):
+                return type(value)(**{k: move(v) for k, v in vars(value).items()})
             if isinstance(value, list):
                 return [move(v) for v in value]
             return value
@@ -1043,7 +1068,36 @@ def _build(parent: Tensor) -> TreeStructure:
         level_ptr=level_ptr, level_parent=level_parent, buckets=buckets,
         lonely_leaf=lonely_leaf,
         leaf_out_index=leaf_out_index,
+        flat_trees=_flat_trees(depth_u[:n], leaf_tree, int(roots_u.numel()), m - n),
     )
+
+
+#: blocks of padded flat trees may hold at most this many times the leaves (one long
+#: tree among many short ones stays on the general path)
+FLAT_PADDING = 2
+
+
+def _flat_trees(leaf_depth: Tensor, leaf_tree: Tensor, num_trees: int,
+                num_internal: int) -> Optional[FlatTrees]:
+    """The forest as :class:`FlatTrees` when every tree is a root over its leaves, the
+    trees in leaf order, and the blocks padded to the largest tree hold at most
+    :data:`FLAT_PADDING` times the leaves; else ``None`` (host syncs: at build time)."""
+    n, f = leaf_tree.numel(), num_trees
+    if n == 0 or num_internal != f or bool((leaf_depth != 1).any()):
+        return None
+    if n > 1 and bool((leaf_tree[1:] < leaf_tree[:-1]).any()):
+        return None
+    sizes = torch.bincount(leaf_tree, minlength=f)
+    width = int(sizes.max())
+    if width * f == n:
+        return FlatTrees(num_trees=f, width=width, slots=None, rows=None)
+    if width * f > FLAT_PADDING * n:
+        return None
+    start = torch.cumsum(sizes, 0) - sizes
+    place = torch.arange(width, device=leaf_tree.device)
+    slots = (start[:, None] + torch.minimum(place, sizes[:, None] - 1)).flatten()
+    rows = leaf_tree * width + torch.arange(n, device=leaf_tree.device) - start[leaf_tree]
+    return FlatTrees(num_trees=f, width=width, slots=slots, rows=rows)
 
 
 def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,

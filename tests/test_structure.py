@@ -632,3 +632,28 @@ def test_unified_rows_read_the_stacked_node_table():
     ids = torch.tensor([0, n - 1, n, n + i, 2, n + 1, n + i])
     torch.testing.assert_close(s.unified_rows(leaf, internal, ids),
                                torch.cat([leaf, internal])[ids], atol=0, rtol=0)
+
+
+def test_flat_trees_are_blocks_padded_at_the_end():
+    """A forest of flat trees is F blocks of the largest tree's size: a view for equal
+    sizes, else each tree's leaves then its last leaf repeated; anything else (a deeper
+    tree, a single-node tree, padding beyond FLAT_PADDING x the leaves) is None."""
+    def flat(sizes):
+        trees = [NestedSignal.from_parents([-1] + [0] * s) for s in sizes]
+        return Batch.from_data_list(trees).structure.flat_trees
+
+    equal = flat([3, 3])
+    assert (equal.num_trees, equal.width, equal.slots, equal.rows) == (2, 3, None, None)
+    ragged = flat([2, 3, 1])
+    assert (ragged.num_trees, ragged.width) == (3, 3)
+    assert ragged.slots.tolist() == [0, 1, 1, 2, 3, 4, 5, 5, 5]
+    assert ragged.rows.tolist() == [0, 1, 3, 4, 5, 6]
+    assert ragged.slots[ragged.rows].tolist() == list(range(6))    # rows invert slots
+    assert flat([1] * 10 + [30]) is None                          # 11 x 30 > 2 x 40 rows
+    assert TreeStructure.from_parent(torch.tensor([-1, 0, 0, 1, 1])).flat_trees is None
+    assert TreeStructure.from_parent(torch.tensor([-1])).flat_trees is None
+    # two roots whose leaves interleave: no blocks of consecutive rows
+    assert TreeStructure.from_parent(torch.tensor([-1, -1, 0, 1, 0])).flat_trees is None
+    s = Batch.from_data_list([NestedSignal.from_parents([-1, 0, 0]),
+                              NestedSignal.from_parents([-1, 0])]).structure
+    assert torch.equal(s.to("cpu").flat_trees.slots, s.flat_trees.slots)   # moved along

@@ -207,9 +207,9 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     See the module docstring for the definition, its KL-optimality property and the
     algorithm. Leaves must be in document order (increasing node index) and every
     node's leaves a contiguous range of them (true for the text, window and document
-    builders). On flat trees (a root over its leaves, equal sizes; ``include_self`` and no
-    ``pos``) this is causal softmax attention per tree, computed by
-    ``scaled_dot_product_attention(is_causal=True)``.
+    builders). On forests of flat trees (each a root over its leaves; ``include_self``) this
+    is causal softmax attention per tree, computed by ``scaled_dot_product_attention``
+    (``is_causal=True`` without ``pos``) over the trees padded to one length.
 
     Args:
         q, k: ``[N, H, D]`` (or ``[N, D]``); v: ``[N, H, Dv]`` (or ``[N, Dv]``).
@@ -243,7 +243,7 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
     plan = x.structure.causal_plan      # checks contiguity; built once per structure
     if x.empty:
         return x.empty_result(x.v.shape)
-    if x.structure.flat_families is not None and x.include_self:
+    if x.structure.flat_trees is not None and x.include_self:
         # Flat trees: causal HSA is causal softmax attention inside each tree, which
         # PyTorch's fused kernel computes without the tiles.
         with no_autocast(x.device):

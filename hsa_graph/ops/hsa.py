@@ -520,8 +520,8 @@ def hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
 
 
 def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
-    r"""HSA on a forest of flat trees (:attr:`TreeStructure.flat_families`: ``F`` roots
-    over ``b >= 2`` leaves each), which is softmax attention inside each tree:
+    r"""HSA on a forest of flat trees (:attr:`TreeStructure.flat_trees`: ``F`` roots over
+    their leaves), which is softmax attention inside each tree:
 
     .. math::
         y_i = \sum_{j} \mathrm{softmax}_j\big(s \langle q_i, k_j \rangle
@@ -529,13 +529,21 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
 
     over the leaves ``j`` of ``i``'s tree (``j != i`` without ``include_self``; ``j <= i``
     with ``causal``, which needs ``include_self``). One fused
-    ``scaled_dot_product_attention`` call over ``[F, H, b, D]`` views of the leaf rows,
-    so forward and backward cost what flat attention costs; positions enter as its
+    ``scaled_dot_product_attention`` call over ``[F, H, b, D]`` blocks of the leaf rows
+    (views where the trees have equal sizes; else the rows gathered into blocks padded
+    at the end, which only ``causal`` allows: no real row sees a padding row), so
+    forward and backward cost what flat attention costs; positions enter as its
     additive mask. Returns ``[N, H, Dv]``.
     """
-    f, b = x.structure.flat_families
+    flat = x.structure.flat_trees
+    f, b = flat.num_trees, flat.width
+    if flat.slots is not None and not causal:
+        raise ValueError("padded flat trees need the causal mask (padding rows would "
+                         "count as keys)")
 
-    def blocks(t: Tensor) -> Tensor:                  # [N, H, D] -> [F, H, b, D] view
+    def blocks(t: Tensor) -> Tensor:                  # [N, H, D] -> [F, H, b, D]
+        if flat.slots is not None:
+            t = t.index_select(0, flat.slots)
         return t.view(f, b, *t.shape[1:]).transpose(1, 2)
 
     if causal and not x.include_self:
@@ -553,7 +561,8 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
         mask = others if mask is None else mask.masked_fill(~others, float("-inf"))
     y = scaled_dot_product_attention(blocks(x.q), blocks(x.k), blocks(x.v), attn_mask=mask,
                                      is_causal=causal and mask is None, scale=x.scale)
-    return y.transpose(1, 2).reshape(x.v.shape)
+    y = y.transpose(1, 2).reshape(f * b, *x.v.shape[1:])
+    return y if flat.rows is None else y.index_select(0, flat.rows)
 
 
 def _hsa(x: AttentionInputs) -> Tensor:

@@ -221,10 +221,11 @@ def test_bad_shapes_raise():
 
 
 @pytest.mark.parametrize("with_pos", [False, True])
-@pytest.mark.parametrize("sizes", [[5, 5, 5], [2, 7, 4], [1, 6]])
+@pytest.mark.parametrize("sizes", [[5, 5, 5], [2, 7, 4], [1, 6], [1, 1, 1, 1, 9]])
 def test_flat_forests_equal_the_dense_reference(sizes, with_pos):
-    # equal flat trees take the fused causal kernel, ragged ones (and a one-leaf tree)
-    # the tiles: both must be row i of HSA on the prefix tree
+    # flat trees take the fused causal kernel on blocks (views for equal sizes, padded
+    # blocks for ragged ones and a one-leaf tree), too much padding ([1, 1, 1, 1, 9]) the
+    # tiles: all must be row i of HSA on the prefix tree
     trees = [hsa_graph.NestedSignal.from_parents([-1] + [0] * s) for s in sizes]
     batch = Batch.from_data_list(trees)
     n = sum(sizes)
@@ -239,6 +240,29 @@ def test_flat_forests_equal_the_dense_reference(sizes, with_pos):
         start, node = start + s, node + s + 1
     assert (batch.structure.flat_families is not None) == (len(set(sizes)) == 1
                                                            and min(sizes) > 1)
+    assert (batch.structure.flat_trees is None) == (sizes == [1, 1, 1, 1, 9])
+
+
+def test_padded_flat_trees_match_the_tiles_with_gradients(monkeypatch):
+    """Ragged flat trees in padded blocks give the tiles' values and gradients (the
+    padding rows, after every real row of their block, get no gradient)."""
+    import hsa_graph.structure as structure_module
+
+    sizes = [3, 8, 5, 6]
+
+    def run(tiles: bool):
+        if tiles:   # no padding allowed: the same forest on the general path
+            monkeypatch.setattr(structure_module, "FLAT_PADDING", 0)
+        trees = [hsa_graph.NestedSignal.from_parents([-1] + [0] * s) for s in sizes]
+        batch = Batch.from_data_list(trees)
+        assert (batch.structure.flat_trees is None) == tiles
+        q, k, v = (t.requires_grad_() for t in random_inputs(sum(sizes), 1, 2, 4, 3, 7)[:3])
+        y = causal_hsa(q, k, v, batch)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y))
+        return y.detach(), q.grad, k.grad, v.grad
+
+    for fast, slow in zip(run(False), run(True)):
+        torch.testing.assert_close(fast, slow, atol=1e-10, rtol=1e-10)
 
 
 def test_head_chunks_and_the_autograd_path_agree(monkeypatch):
