@@ -531,9 +531,10 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
     with ``causal``, which needs ``include_self``). One fused
     ``scaled_dot_product_attention`` call over ``[F, H, b, D]`` blocks of the leaf rows
     (views where the trees have equal sizes; else the rows gathered into blocks padded
-    at the end, which only ``causal`` allows: no real row sees a padding row), so
-    forward and backward cost what flat attention costs; positions enter as its
-    additive mask. Returns ``[N, H, Dv]``.
+    at the end, which only ``causal`` allows: no real row sees a padding row; ragged
+    forests without it take :func:`hsa`'s general passes), so forward and backward
+    cost what flat attention costs; positions enter as its additive mask. Returns
+    ``[N, H, Dv]``.
     """
     flat = x.structure.flat_trees
     f, b = flat.num_trees, flat.width
