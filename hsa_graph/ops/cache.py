@@ -292,9 +292,9 @@ def left_siblings(state: CacheState, sums: Tensor, dim: int, scale: float,
     each = sums.view(-1, 1, f)                                          # [B L H, 1, F]
     row_dots = torch.bmm(each[..., :dim], views.keys_t).view(b, levels, h, -1)
     col_dots = torch.bmm(each[..., dim:2 * dim], views.queries_t).view(b, levels, h, -1)
-    factor = count.reciprocal().mul_(scale).unsqueeze(-1)              # sums -> means
-    row = torch.addcmul(views.size_row.log(), row_dots, factor)
-    col = torch.addcmul(count.log().unsqueeze(-1), col_dots, factor)
+    inverse = count.reciprocal().unsqueeze(-1)                          # sums -> means
+    row = torch.addcmul(views.size_row.log(), row_dots, inverse, value=scale)
+    col = torch.addcmul(count.log().unsqueeze(-1), col_dots, inverse, value=scale)
     # logsumexp and softmax from one exp (torch.logsumexp is a dozen kernels); a level
     # without completed children (every logit -inf) gets eta = -inf and weights 0
     finfo = torch.finfo(row.dtype)
