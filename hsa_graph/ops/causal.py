@@ -256,14 +256,17 @@ def causal_hsa(q: Tensor, k: Tensor, v: Tensor, tree, include_self: bool = True,
 
 
 def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale: float,
-              pos: Optional[Tensor]) -> Tensor:
-    """``lam(i) = s <q_i, k_i> + |eps(i)|^2`` (``-inf`` without self), ``[N, H]``."""
+              pos: Optional[Tensor], heads_first: bool = False) -> Tensor:
+    """``lam(i) = s <q_i, k_i> + |eps(i)|^2`` (``-inf`` without self), ``[N, H]`` (from
+    ``[N, H, D]`` rows), or ``[H, N]`` from head-major ``[H, N, D]`` tables with
+    ``heads_first``."""
     if not include_self:
         return q.new_full(q.shape[:2], NEG_INF)
     own = _row_dots(q, k) * scale
     if pos is not None:
         p = pos.to(q.dtype)[st.node_of_unified[:st.num_leaves]]
-        own = own + p.pow(2).sum(-1).view(own.shape[0], -1)
+        norms = p.pow(2).sum(-1).view(st.num_leaves, -1)                # [N, H or 1]
+        own = own + (norms.transpose(0, 1) if heads_first else norms)
     return own
 
 
@@ -418,8 +421,6 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
                  include_self: bool, scale: float, pos: Optional[Tensor],
                  recording: bool) -> NodeTables:
     size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
-    lam = torch.cat([_leaf_lam(st, q, k, include_self, scale, pos),
-                     _internal_lam(st, stats, size)])
 
     def head_major(t: Tensor) -> Tensor:
         return t.transpose(0, 1).contiguous()
@@ -433,10 +434,20 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
     # without autograd the leaf rows are read in place; with it, contiguous head-major
     # copies keep every product (and its backward) one batched matmul
     leaf = tuple(head_major(t) if recording else t.transpose(0, 1) for t in (q, k, v))
+    internal_lam = head_major(_internal_lam(st, stats, size))
+    if recording:
+        # lambda from the head-major copies: as a third reader of q and k its gradient
+        # (a Python Function's, which autograd cannot add into in place) would meet
+        # the family softmax's and be summed into a fresh [N, H, D] tensor
+        leaf_lam = _leaf_lam(st, leaf[0], leaf[1], include_self, scale, pos,
+                             heads_first=True)
+    else:
+        leaf_lam = _leaf_lam(st, q, k, include_self, scale, pos).transpose(0, 1)
     means = (stats.rq, stats.rk, stats.rv)
     return NodeTables(leaf=leaf, internal=tuple(head_major(t) for t in means),
                       leaf_rows=(q, k, v), internal_rows=means,
-                      lam=head_major(lam), size=size, log_size=log_size, pos=node_pos)
+                      lam=torch.cat([leaf_lam, internal_lam], 1), size=size,
+                      log_size=log_size, pos=node_pos)
 
 
 def _per_head_bmm(a: Tensor, b: Tensor, recording: bool) -> Tensor:
