@@ -351,6 +351,22 @@ def top_down(log_mu: Tensor, theta_bar: Tensor, v: Optional[Tensor]) -> Tensor:
     return y if v is None else torch.addcmul(y, m[:, -1].unsqueeze(-1), v)
 
 
+_INT64 = np.iinfo(np.int64)
+
+
+def _in_int64(name: str, value: int) -> int:
+    """``value`` where a host int64 array can hold it; else a ValueError naming it (a
+    larger int would overflow numpy with an OverflowError)."""
+    if not _INT64.min <= value <= _INT64.max:
+        raise ValueError(f"{name} = {value} is out of range (a depth fits in 64 bits)")
+    return value
+
+
+def _filled(name: str, value: int, batch: int) -> np.ndarray:
+    """``[B]`` copies of the int placement ``value``."""
+    return np.full(batch, _in_int64(name, value), np.int64)
+
+
 def _placement(name: str, value: Placement, batch: int) -> Tuple[np.ndarray, np.ndarray]:
     """``attach`` / ``depth`` as given -> host int64 values ``[B]`` and whether each row
     gave one ``[B]``."""
@@ -360,7 +376,7 @@ def _placement(name: str, value: Placement, batch: int) -> Tuple[np.ndarray, np.
         raise TypeError(f"{name} must be an int, a sequence of B = {batch} ints (or None) "
                         f"or an integer tensor [B], got a bool")
     if isinstance(value, int):
-        return np.full(batch, value, np.int64), np.ones(batch, bool)
+        return _filled(name, value, batch), np.ones(batch, bool)
     if isinstance(value, Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
@@ -379,7 +395,8 @@ def _placement(name: str, value: Placement, batch: int) -> Tuple[np.ndarray, np.
             raise TypeError(f"{name}[{row}] must be an int or None, got "
                             f"{type(entry).__name__}")
     given = np.array([entry is not None for entry in value], bool)
-    values = np.array([0 if entry is None else entry for entry in value], np.int64)
+    values = np.array([0 if entry is None else _in_int64(f"{name}[{row}]", entry)
+                       for row, entry in enumerate(value)], np.int64)
     return values, given
 
 
@@ -664,7 +681,7 @@ class BatchedHSACache:
             bad = None
         else:
             if isinstance(depth, int) and not isinstance(depth, bool):
-                new_depth = np.full(b, depth, np.int64)
+                new_depth = _filled("depth", depth, b)
             else:
                 depth_v, given = _placement("depth", depth, b)
                 new_depth = np.where(given, depth_v, np.maximum(prev, 1))
@@ -676,10 +693,10 @@ class BatchedHSACache:
         elif started and isinstance(attach, int) and not isinstance(attach, bool):
             if attach < 0 or attach > int(highest.min()):
                 self._refuse(attach, depth)
-            attach_v = np.full(b, attach, np.int64)
+            attach_v = _filled("attach", attach, b)
         else:
             if isinstance(attach, int) and not isinstance(attach, bool):
-                attach_v = np.full(b, attach, np.int64)
+                attach_v = _filled("attach", attach, b)
             else:
                 value, given = _placement("attach", attach, b)
                 attach_v = np.where(given, value, highest)
@@ -829,8 +846,9 @@ class BatchedHSACache:
         views.flat_left.index_add_(0, node, child)
         self._count[plan.rows, plan.level] = plan.slots + 1
 
-    def _close(self, closed: Tensor) -> None:
-        """Empty the levels ``closed`` ``[B, L]`` (their open nodes close for good)."""
+    def _close(self, closed: np.ndarray) -> None:
+        """Empty the levels ``closed`` ``[B, L]`` (a host mask: their open nodes close
+        for good)."""
         self._count[closed] = 0
         mask = torch.from_numpy(closed).to(self._device())
         self._state.left.masked_fill_(mask[..., None, None], 0.0)

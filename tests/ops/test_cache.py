@@ -9,7 +9,7 @@ import torch
 from causal_reference import dense_causal_hsa
 
 import hsa_graph
-from hsa_graph.ops.cache import HSACache
+from hsa_graph.ops.cache import HSACache, parents_of_moves
 from hsa_graph.ops.causal import causal_hsa
 
 
@@ -113,6 +113,24 @@ def test_absurd_depth_is_refused_at_once():
         HSACache(max_depth=0)
 
 
+@pytest.mark.parametrize("where", [dict(depth=2**70), dict(depth=[2**70, None]),
+                                   dict(attach=[None, -2**70]), dict(attach=2**70)])
+def test_placements_beyond_64_bits_are_refused_by_name(where):
+    """An int no host array can hold is a ValueError naming the placement (not numpy's
+    OverflowError), and the cache is left as it was."""
+    from hsa_graph.ops.cache import BatchedHSACache
+
+    cache = BatchedHSACache(batch_size=2)
+    q = torch.randn(2, 2, 2, 4, dtype=torch.float64)
+    cache.step(q[0], q[0], q[0], depth=2)
+    name = "depth" if "depth" in where else "attach"
+    with pytest.raises(ValueError, match=f"{name}.* is out of range"):
+        cache.step(q[1], q[1], q[1], **where)
+    assert cache.num_tokens == [1, 1] and cache.depths == [2, 2]
+    with pytest.raises(ValueError, match="out of range"):
+        parents_of_moves([dict(depth=2**70)])
+
+
 def test_mixed_dtypes_across_appends_are_refused():
     cache = HSACache()
     q = torch.randn(2, 4)
@@ -122,7 +140,7 @@ def test_mixed_dtypes_across_appends_are_refused():
 
 
 # --------------------------------------------------------------------- BatchedHSACache
-from hsa_graph.ops.cache import BatchedHSACache, parents_of_moves  # noqa: E402
+from hsa_graph.ops.cache import BatchedHSACache  # noqa: E402
 
 DT = torch.float64
 
