@@ -9,8 +9,8 @@ are trained on the same characters:
 * **flat**: the same model on the flattened tree (one root over the characters), i.e. a
   standard causal transformer (causal HSA on a flat tree is causal softmax attention).
 
-Both train for the same wall time (``--train-seconds``; ``--quick`` and ``--steps``
-count steps instead), so the comparison is perplexity at equal training time, the
+Both train for the same wall time (``--train-seconds``; training also stops at
+``--steps`` when that comes first, and ``--quick`` counts steps only), so the comparison is perplexity at equal training time, the
 question a user with a compute budget asks. The script reports validation perplexity per
 character, the steps each model took, and the generation speed with
 the cache (:class:`hsa_graph.ops.cache.HSACache`, one per layer; for the hierarchical
