@@ -10,9 +10,10 @@ are trained on the same characters:
   standard causal transformer (causal HSA on a flat tree is causal softmax attention).
 
 Both train for the same wall time (``--train-seconds``; training also stops at
-``--steps`` when that comes first, and ``--quick`` counts steps only), so the comparison is perplexity at equal training time, the
-question a user with a compute budget asks. The script reports validation perplexity per
-character, the steps each model took, and the generation speed with
+``--steps`` when that comes first, and ``--quick`` counts steps only), so the
+comparison is perplexity at equal training time, the question a user with a compute
+budget asks. The script reports validation perplexity per character, the steps each
+model took, and the generation speed with
 the cache (:class:`hsa_graph.ops.cache.HSACache`, one per layer; for the hierarchical
 model a space opens a new word, and a space after ``.``, ``!`` or ``?`` a new line), and
 writes the figures to ``examples/output/causal_lm.json``.
