@@ -17,7 +17,10 @@ buckets of equal padded size ``b``, so a bucket's sibling softmax is one batched
 attention of shape ``[F, H, b, b]``. Sizes up to 16 are exact; larger ones round up to
 a grid of eight steps per octave (``b = c * 2^e``, ``8 <= c < 16``), so padding wastes
 under 1/8 of a bucket while the number of buckets stays logarithmic in the largest
-family.
+family. Buckets of few families (under ``BUCKET_SLOTS`` = 512 member slots) then share
+wider ones where that pads fewer slots than the buckets it saves cost: a bucket has a
+fixed cost (its gathers, masks and kernel calls) that a small batch of trees with
+families of many sizes would pay dozens of times per call.
 """
 from __future__ import annotations
 
@@ -713,12 +716,12 @@ class TreeStructure:
                 self.bottom_up(self.to_internal(t, family_sums=f), inplace=True),
                 inplace=True) for t, f in zip(leaf_values, sums_of))
         # one buffer [T, I + 1, ...]: each tensor's means contiguous (the families'
-        # gathers are views), and one bottom-up pass over its [I + 1, T, ...] view
+        # gathers are views), and one bottom-up pass over its internal rows (dim 1)
         first = leaf_values[0]
         sums = first.new_zeros((len(leaf_values), self.num_internal + 1, *first.shape[1:]))
         for j, (t, f) in enumerate(zip(leaf_values, sums_of)):
             self.to_internal(t, out=sums[j], family_sums=f)
-        means = self.subtree_mean_of_sums(self.bottom_up(sums.movedim(0, 1), inplace=True),
+        means = self.subtree_mean_of_sums(self._sum_up_(sums, dim=1).movedim(0, 1),
                                           inplace=True)
         return tuple(means.select(1, j) for j in range(len(leaf_values)))
 
@@ -760,24 +763,31 @@ class TreeStructure:
         return value
 
     def _sum_up_(self, value: Tensor,
-                 combine: Optional[Callable[[Tensor, int, int], Tensor]] = None) -> Tensor:
+                 combine: Optional[Callable[[Tensor, int, int], Tensor]] = None,
+                 dim: int = 0) -> Tensor:
         """``value(A) += sum of combine(value(C))`` over internal children, bottom-up,
-        in place (see :meth:`bottom_up`)."""
+        in place (see :meth:`bottom_up`), the internal rows along ``dim`` (e.g. 1 of a
+        ``[T, I + 1, ...]`` buffer: ``index_add_`` along a dimension that is not the
+        outermost of the memory takes a several times slower scatter path)."""
         ptr = self.level_ptr
+
+        def rows(lo: int, hi: int) -> Tensor:
+            return value.narrow(dim, lo, hi - lo)
+
         chain_start = {} if combine is not None else {hi: lo for lo, hi in self.chain_runs}
         d = self.max_depth - 1
         while d >= 0:
             lo = chain_start.get(d + 1)
             if lo is not None:  # levels lo .. d + 1: one node each, a reversed cumsum
-                run = value[ptr[lo]:ptr[d + 2]]
-                run.copy_(run.flip(0).cumsum(0).flip(0))
+                run = rows(ptr[lo], ptr[d + 2])
+                run.copy_(run.flip(dim).cumsum(dim).flip(dim))
                 d = lo - 1
                 continue
-            below = value[ptr[d + 1]:ptr[d + 2]]
-            if below.shape[0]:
+            below = rows(ptr[d + 1], ptr[d + 2])
+            if below.shape[dim]:
                 if combine is not None:
                     below = combine(below, ptr[d + 1], ptr[d + 2])
-                value[ptr[d]:ptr[d + 1]].index_add_(0, self.level_parent[d + 1], below)
+                rows(ptr[d], ptr[d + 1]).index_add_(dim, self.level_parent[d + 1], below)
             d -= 1
         return value
 
@@ -1076,6 +1086,38 @@ def _build(parent: Tensor) -> TreeStructure:
 #: tree among many short ones stays on the general path)
 FLAT_PADDING = 2
 
+#: What one bucket costs beyond its member slots (its gathers, masks and kernel calls,
+#: forward and backward), counted in slots: buckets of fewer slots share a wider one
+#: where the padding costs less than the buckets it saves (:func:`_merged_keys`).
+BUCKET_SLOTS = 512
+
+
+def _merged_keys(keys: List[int], families: List[int], overhead: int) -> List[int]:
+    """The bucket key (``2 * width + leaf_only``) each grid bucket of ``keys``
+    (ascending, ``families`` each) takes. Per kind (leaf-only or not), the small
+    buckets (fewer than ``overhead`` slots) are cut into runs of consecutive widths, each
+    padded to its widest, minimising ``sum(overhead + families * width)`` over the runs
+    (a dynamic program over the widths); larger buckets keep their width (they may be
+    views of ``q, k, v``, which padding would turn into copies)."""
+    out = list(keys)
+    for kind in (0, 1):
+        small = [j for j, (key, f) in enumerate(zip(keys, families))
+                 if key % 2 == kind and f * (key // 2) < overhead]
+        best, cut = [0] + [None] * len(small), [0] * (len(small) + 1)
+        for end in range(1, len(small) + 1):       # runs small[start:end]
+            width, count = keys[small[end - 1]] // 2, 0
+            for start in range(end - 1, -1, -1):
+                count += families[small[start]]
+                cost = best[start] + overhead + count * width
+                if best[end] is None or cost < best[end]:
+                    best[end], cut[end] = cost, start
+        end = len(small)
+        while end:
+            for j in small[cut[end]:end]:
+                out[j] = keys[small[end - 1]]
+            end = cut[end]
+    return out
+
 
 def _flat_trees(leaf_depth: Tensor, leaf_tree: Tensor, num_trees: int,
                 num_internal: int) -> Optional[FlatTrees]:
@@ -1117,12 +1159,15 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
     first[1:] = fam[1:] != fam[:-1]
     start = torch.cummax(torch.where(first, torch.arange(fam.numel(), device=device), 0), 0).values
     position = torch.arange(fam.numel(), device=device) - start
-    padded = _padded_size(fam_sizes)
     # Families made only of leaves get buckets of their own: in the common layout
     # (leaf families contiguous in leaf order) such a bucket is a reshape of q, k, v.
     internal_members = torch.zeros(i + 1, dtype=torch.long, device=device).index_add_(
         0, fam, (members >= n).long())
-    bucket_key = padded * 2 + (internal_members[fam] == 0).long()
+    grid_key = _padded_size(fam_sizes) * 2 + (internal_members[fam] == 0).long()
+    keys, families = torch.unique(grid_key[first], return_counts=True)
+    merged = torch.tensor(_merged_keys(keys.tolist(), families.tolist(), BUCKET_SLOTS),
+                          dtype=torch.long, device=device)
+    bucket_key = merged[torch.searchsorted(keys, grid_key)]
 
     node_size = torch.cat([torch.ones(n, dtype=torch.float64, device=device), size[:i]])
     # Members grouped by bucket (a stable sort keeps (family, index) order inside each):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -139,6 +140,7 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
     # families with >= 2 members: each in exactly one bucket, with the right members
     families = {p: kids for p, kids in enumerate(b.children) if len(kids) >= 2}
     seen = {}
+    grid = defaultdict(list)       # (leaf-only, grid size) -> the sizes its families got
     for bucket in s.buckets:
         assert isinstance(bucket, FamilyBucket)
         size, f = bucket.size, bucket.num_families
@@ -165,8 +167,11 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
             assert p not in seen, f"family of node {p} in two buckets"
             seen[p] = members
             assert sorted(members) == families[p]
-            # padded size: the smallest grid size holding the family
-            assert size == padded_size(len(members))
+            # padded size: the smallest grid size holding the family, or a wider one
+            # where small buckets merged (checked against merged_cost below)
+            leaf_only = all(u in b.leaves for u in members)
+            grid[leaf_only, padded_size(len(members))].append(size)
+            assert size >= padded_size(len(members))
             for k in range(size):
                 value = log_size[fam * size + k]
                 if k < len(members):
@@ -190,6 +195,7 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
             assert bucket.internal_src.tolist() == [lo + slot
                                                     for slot in bucket.internal_slot.tolist()]
     assert set(seen) == set(families)
+    check_bucket_merges(grid, s)
     assert s.num_families == len(families)
     assert s.num_attention_weights == sum(len(k) ** 2 - len(k) for k in families.values())
 
@@ -334,7 +340,9 @@ def test_concrete_numbers():
     assert s.level_ptr == [0, 1, 3, 3]
     assert s.leaf_parent.tolist() == [1, 1, 2, 2, 2]
     assert s.internal_parent.tolist() == [3, 0, 0]
-    assert sorted((bk.size, bk.num_families) for bk in s.buckets) == [(2, 1), (2, 1), (3, 1)]
+    # the root's family of two internal nodes; the leaf families of 2 and 3 share a
+    # bucket of width 3 (small buckets merge)
+    assert sorted((bk.size, bk.num_families) for bk in s.buckets) == [(2, 1), (3, 2)]
     assert s.num_families == 3
     assert s.num_attention_weights == 2 + 2 + 6
 
@@ -511,6 +519,53 @@ def padded_size(s: int) -> int:
     return -(-s // step) * step
 
 
+def min_merged_cost(widths: list[int], counts: list[int], overhead: int) -> int:
+    """Independent statement of the merge rule: the least ``sum(overhead + families x
+    width)`` over every cut of the small buckets (``widths`` ascending) into runs of
+    consecutive widths, each padded to its widest (brute force over the 2^(k-1) cuts)."""
+    best = None
+    for cuts in range(1 << max(len(widths) - 1, 0)):
+        cost, count = 0, 0
+        for j, (width, f) in enumerate(zip(widths, counts)):
+            count += f
+            if j == len(widths) - 1 or cuts >> j & 1:
+                cost, count = cost + overhead + count * width, 0
+        best = cost if best is None else min(best, cost)
+    return best or 0
+
+
+def check_bucket_merges(grid: dict, s: TreeStructure) -> None:
+    """``grid``: (leaf-only, grid size) -> the bucket size each of its families got.
+    Buckets of at least BUCKET_SLOTS slots keep their size; the small ones share
+    buckets at the least cost (:func:`min_merged_cost`), each grid size in one."""
+    from hsa_graph.structure import BUCKET_SLOTS
+    for kind in (False, True):
+        small = sorted((size, len(got)) for (leaf_only, size), got in grid.items()
+                       if leaf_only == kind and len(got) * size < BUCKET_SLOTS)
+        for (leaf_only, size), got in grid.items():
+            if leaf_only == kind:
+                assert len(set(got)) == 1, "the families of one grid size split up"
+                if len(got) * size >= BUCKET_SLOTS:
+                    assert got[0] == size, "a large bucket was padded"
+        merged = defaultdict(int)                         # width -> families
+        for size, count in small:
+            merged[grid[kind, size][0]] += count
+        cost = sum(BUCKET_SLOTS + f * width for width, f in merged.items())
+        assert cost == min_merged_cost(*zip(*small), BUCKET_SLOTS) if small else not merged
+
+
+def test_bucket_merges_by_hand():
+    """Small buckets merge where padding is cheaper than a bucket; large ones stay."""
+    from hsa_graph.structure import _merged_keys
+    # leaf-only keys are odd: widths 2 (3 families), 3 (2), 16 (200: large)
+    assert _merged_keys([5, 7, 33], [3, 2, 200], 512) == [7, 7, 33]
+    # two small buckets whose merge would pad more than a bucket costs stay apart
+    assert _merged_keys([4, 200], [100, 3], 512) == [4, 200]
+    # kinds never mix: a mixed bucket (even key) and a leaf-only one of one width
+    assert _merged_keys([4, 5], [1, 1], 512) == [4, 5]
+    assert _merged_keys([], [], 512) == []
+
+
 def test_padded_size_grid():
     assert [padded_size(s) for s in (2, 15, 16, 17, 19, 31, 33, 63, 64, 65, 1000)] == [
         2, 15, 16, 18, 20, 32, 36, 64, 64, 72, 1024]
@@ -571,9 +626,11 @@ INTERLEAVED_INTERNAL_FAMILIES = [-1, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4] +
     (INTERLEAVED_LEAF_FAMILIES, "leaf"), (INTERLEAVED_INTERNAL_FAMILIES, "internal"),
     (HAND_MADE["ragged_leaf_families"], None), (HAND_MADE["mixed_families"], None),
     (HAND_MADE["caterpillar"], None)])
-def test_gather_buckets_equals_gather_bucket(parent, shared):
+def test_gather_buckets_equals_gather_bucket(parent, shared, monkeypatch):
     """gather_buckets (one shared gather per source for index-read buckets where autograd
     records) gives every bucket's gather_bucket, values and gradients."""
+    # every grid size its own bucket (small buckets would merge into one)
+    monkeypatch.setattr("hsa_graph.structure.BUCKET_SLOTS", 0)
     s = TreeStructure.from_parent(torch.tensor(parent))
     assert [kind for kind, *_ in s.shared_gathers] == ([shared] if shared else [])
     gen = torch.Generator().manual_seed(3)
