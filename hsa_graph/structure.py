@@ -1088,35 +1088,73 @@ FLAT_PADDING = 2
 
 #: What one bucket costs beyond its member slots (its gathers, masks and kernel calls,
 #: forward and backward), counted in slots: buckets of fewer slots share a wider one
-#: where the padding costs less than the buckets it saves (:func:`_merged_keys`).
+#: where the padding costs less than the buckets it saves (:func:`_merged_bucket_keys`).
 BUCKET_SLOTS = 512
 
+#: What one group of the causal plan costs beyond its work (its gathers and kernel
+#: calls per level and head chunk), counted in query-member pairs (leaf rows x width):
+#: groups of one depth share a wider one where the padding costs less
+#: (:func:`_causal_widths`).
+CAUSAL_GROUP_PAIRS = 1 << 17
 
-def _merged_keys(keys: List[int], families: List[int], overhead: int) -> List[int]:
+
+def _merged_widths(widths: List[int], weights: List[int], overhead: int) -> List[int]:
+    """The width each of ``widths`` (ascending) is padded to when runs of consecutive
+    widths share one group, padded to its widest: the runs minimise ``sum(overhead +
+    weight x width)`` over the groups (``weights``: what one unit of width costs each, e.g.
+    its families), a dynamic program over the widths."""
+    k = len(widths)
+    best, cut = [0] + [None] * k, [0] * (k + 1)
+    for end in range(1, k + 1):                    # the last run: widths[start:end]
+        weight = 0
+        for start in range(end - 1, -1, -1):
+            weight += weights[start]
+            cost = best[start] + overhead + weight * widths[end - 1]
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    out, end = list(widths), k
+    while end:
+        out[cut[end]:end] = [widths[end - 1]] * (end - cut[end])
+        end = cut[end]
+    return out
+
+
+def _merged_bucket_keys(keys: List[int], families: List[int], overhead: int) -> List[int]:
     """The bucket key (``2 * width + leaf_only``) each grid bucket of ``keys``
-    (ascending, ``families`` each) takes. Per kind (leaf-only or not), the small
-    buckets (fewer than ``overhead`` slots) are cut into runs of consecutive widths, each
-    padded to its widest, minimising ``sum(overhead + families * width)`` over the runs
-    (a dynamic program over the widths); larger buckets keep their width (they may be
-    views of ``q, k, v``, which padding would turn into copies)."""
+    (ascending, ``families`` each) takes: per kind (leaf-only or not), the small buckets
+    (fewer than ``overhead`` slots) merged by :func:`_merged_widths`; larger buckets keep
+    their width (they may be views of ``q, k, v``, which padding would turn into
+    copies)."""
     out = list(keys)
     for kind in (0, 1):
         small = [j for j, (key, f) in enumerate(zip(keys, families))
                  if key % 2 == kind and f * (key // 2) < overhead]
-        best, cut = [0] + [None] * len(small), [0] * (len(small) + 1)
-        for end in range(1, len(small) + 1):       # runs small[start:end]
-            width, count = keys[small[end - 1]] // 2, 0
-            for start in range(end - 1, -1, -1):
-                count += families[small[start]]
-                cost = best[start] + overhead + count * width
-                if best[end] is None or cost < best[end]:
-                    best[end], cut[end] = cost, start
-        end = len(small)
-        while end:
-            for j in small[cut[end]:end]:
-                out[j] = keys[small[end - 1]]
-            end = cut[end]
+        widths = _merged_widths([keys[j] // 2 for j in small], [families[j] for j in small],
+                                overhead)
+        for j, width in zip(small, widths):
+            out[j] = 2 * width + kind
     return out
+
+
+def _causal_widths(depth: Tensor, width: Tensor, leaves: Tensor) -> Tensor:
+    """The width of each family ``[F]`` in the causal plan: per depth, the grid widths
+    merged by :func:`_merged_widths`, weighed by the leaf rows under their families (a
+    level's work is its rows times the width)."""
+    key = depth * (int(width.max()) + 1) + width
+    keys, inverse = torch.unique(key, return_inverse=True)
+    rows = torch.zeros_like(keys).index_add_(0, inverse, leaves)
+    span = int(width.max()) + 1
+    out: List[int] = []
+    keys_l, rows_l = keys.tolist(), rows.tolist()
+    lo = 0
+    while lo < len(keys_l):
+        hi = lo
+        while hi < len(keys_l) and keys_l[hi] // span == keys_l[lo] // span:
+            hi += 1
+        out += _merged_widths([kk % span for kk in keys_l[lo:hi]], rows_l[lo:hi],
+                              CAUSAL_GROUP_PAIRS)
+        lo = hi
+    return torch.tensor(out, dtype=width.dtype, device=width.device)[inverse]
 
 
 def _flat_trees(leaf_depth: Tensor, leaf_tree: Tensor, num_trees: int,
@@ -1165,7 +1203,7 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
         0, fam, (members >= n).long())
     grid_key = _padded_size(fam_sizes) * 2 + (internal_members[fam] == 0).long()
     keys, families = torch.unique(grid_key[first], return_counts=True)
-    merged = torch.tensor(_merged_keys(keys.tolist(), families.tolist(), BUCKET_SLOTS),
+    merged = torch.tensor(_merged_bucket_keys(keys.tolist(), families.tolist(), BUCKET_SLOTS),
                           dtype=torch.long, device=device)
     bucket_key = merged[torch.searchsorted(keys, grid_key)]
 
@@ -1251,7 +1289,9 @@ def _is_arange(src: Tensor, slot: Tensor) -> bool:
 
 def _causal_plan(st: TreeStructure) -> CausalPlan:
     """Build the :class:`CausalPlan` of ``st`` (leaves contiguous under every node):
-    every family of two or more members at once, grouped by (depth, padded size); the
+    every family of two or more members at once, grouped by (depth, padded size), the
+    sizes of one depth merged where padding costs less than a group
+    (:func:`_causal_widths`: one host synchronisation); the
     per-group integers come back in one host synchronisation, then a loop over groups
     (a handful per depth), never over nodes. Built once per structure."""
     n, m, dev = st.num_leaves, st.num_nodes, st.device
@@ -1268,8 +1308,8 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     fam_ids, fam_of_member, fam_count = torch.unique_consecutive(
         par, return_inverse=True, return_counts=True)
     pos = torch.arange(child.numel(), device=dev) - (fam_count.cumsum(0) - fam_count)[fam_of_member]
-    fam_size = _padded_size(fam_count)
     fam_first, fam_leaves = first[fam_ids], last[fam_ids] - first[fam_ids] + 1
+    fam_size = _causal_widths(st.depth[fam_ids], _padded_size(fam_count), fam_leaves)
     key = st.depth[fam_ids] * (2 * m + 2) + fam_size
     group_key, fam_group = torch.unique(key, return_inverse=True)
     num_groups = group_key.numel()

@@ -556,14 +556,47 @@ def check_bucket_merges(grid: dict, s: TreeStructure) -> None:
 
 def test_bucket_merges_by_hand():
     """Small buckets merge where padding is cheaper than a bucket; large ones stay."""
-    from hsa_graph.structure import _merged_keys
+    from hsa_graph.structure import _merged_bucket_keys
     # leaf-only keys are odd: widths 2 (3 families), 3 (2), 16 (200: large)
-    assert _merged_keys([5, 7, 33], [3, 2, 200], 512) == [7, 7, 33]
+    assert _merged_bucket_keys([5, 7, 33], [3, 2, 200], 512) == [7, 7, 33]
     # two small buckets whose merge would pad more than a bucket costs stay apart
-    assert _merged_keys([4, 200], [100, 3], 512) == [4, 200]
+    assert _merged_bucket_keys([4, 200], [100, 3], 512) == [4, 200]
     # kinds never mix: a mixed bucket (even key) and a leaf-only one of one width
-    assert _merged_keys([4, 5], [1, 1], 512) == [4, 5]
-    assert _merged_keys([], [], 512) == []
+    assert _merged_bucket_keys([4, 5], [1, 1], 512) == [4, 5]
+    assert _merged_bucket_keys([], [], 512) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 400)), max_size=7),
+       st.integers(0, 3000))
+def test_merged_widths_are_the_cheapest_runs(pairs, overhead):
+    """_merged_widths pads runs of consecutive widths to their widest, at the least
+    cost over every cut (min_merged_cost, brute force)."""
+    from hsa_graph.structure import _merged_widths
+    widths = sorted({2 + 3 * step for step, _ in pairs})
+    weights = [w for _, w in pairs][:len(widths)]
+    weights += [1] * (len(widths) - len(weights))
+    out = _merged_widths(widths, weights, overhead)
+    assert len(out) == len(widths)
+    assert all(o >= w for o, w in zip(out, widths)) and out == sorted(out)
+    assert all(o in widths for o in out)          # a run takes its widest member's width
+    groups = defaultdict(int)
+    for o, weight in zip(out, weights):
+        groups[o] += weight
+    cost = sum(overhead + weight * width for width, weight in groups.items())
+    assert cost == min_merged_cost(widths, weights, overhead) if widths else out == []
+
+
+def test_causal_widths_merge_per_depth():
+    """The causal plan's family widths: merged within a depth by the rows under them,
+    never across depths."""
+    from hsa_graph.structure import CAUSAL_GROUP_PAIRS, _causal_widths
+    depth = torch.tensor([1, 1, 2, 2, 2])
+    width = torch.tensor([2, 3, 2, 3, 16])
+    few = torch.tensor([4, 4, 4, 4, 4])           # few rows: a depth's widths share one
+    assert _causal_widths(depth, width, few).tolist() == [3, 3, 16, 16, 16]
+    many = torch.full((5,), CAUSAL_GROUP_PAIRS)   # padding a width costs more than a group
+    assert _causal_widths(depth, width, many).tolist() == [2, 3, 2, 3, 16]
 
 
 def test_padded_size_grid():
