@@ -721,9 +721,11 @@ class TreeStructure:
         sums = first.new_zeros((len(leaf_values), self.num_internal + 1, *first.shape[1:]))
         for j, (t, f) in enumerate(zip(leaf_values, sums_of)):
             self.to_internal(t, out=sums[j], family_sums=f)
-        means = self.subtree_mean_of_sums(self._sum_up_(sums, dim=1).movedim(0, 1),
-                                          inplace=True)
-        return tuple(means.select(1, j) for j in range(len(leaf_values)))
+        self._sum_up_(sums, dim=1)
+        # the division over the contiguous buffer ([I + 1, 1, ...] broadcast), not a
+        # strided view of it
+        sums.mul_(self._inverse_size(sums[0]))
+        return tuple(sums.unbind(0))
 
     def _inverse_size(self, like: Tensor) -> Tensor:
         """``1 / n(A)`` per internal row (null row 1), shaped to scale ``like``'s rows."""
