@@ -889,6 +889,8 @@ class TreeStructure:
                     f, rest = bucket.num_families, rows.shape[1:]
                     out[lo:lo + f * per_family].view(f, per_family, *rest).copy_(
                         rows.view(f, bucket.size, *rest)[:, :per_family])
+                elif rows.shape[0] == bucket.leaf_slot.numel():  # every slot a leaf, in order
+                    out.index_copy_(0, bucket.leaf_src, rows)
                 else:
                     out.index_copy_(0, bucket.leaf_src, rows.index_select(0, bucket.leaf_slot))
             return out

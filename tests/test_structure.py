@@ -178,7 +178,10 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
                     assert value == pytest.approx(math.log(b.n(members[k])))
                 else:
                     assert value == float("-inf")
-        # fast paths agree with the slot lists
+        # fast paths agree with the slot lists (a bucket whose every slot holds a leaf
+        # lists them in slot order: scatter_leaves reads its rows as they are)
+        if bucket.leaf_slot.numel() == f * size:
+            assert bucket.leaf_slot.tolist() == list(range(f * size))
         if bucket.leaf_range is not None:
             lo, hi = bucket.leaf_range
             assert hi - lo == f * size and bucket.internal_slot.numel() == 0
