@@ -25,6 +25,7 @@ families of many sizes would pay dozens of times per call.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import groupby
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -1144,20 +1145,14 @@ def _causal_widths(depth: Tensor, width: Tensor, leaves: Tensor) -> Tensor:
     """The width of each family ``[F]`` in the causal plan: per depth, the grid widths
     merged by :func:`_merged_widths`, weighed by the leaf rows under their families (a
     level's work is its rows times the width)."""
-    key = depth * (int(width.max()) + 1) + width
-    keys, inverse = torch.unique(key, return_inverse=True)
-    rows = torch.zeros_like(keys).index_add_(0, inverse, leaves)
     span = int(width.max()) + 1
+    keys, inverse = torch.unique(depth * span + width, return_inverse=True)
+    rows = torch.zeros_like(keys).index_add_(0, inverse, leaves)
     out: List[int] = []
-    keys_l, rows_l = keys.tolist(), rows.tolist()
-    lo = 0
-    while lo < len(keys_l):
-        hi = lo
-        while hi < len(keys_l) and keys_l[hi] // span == keys_l[lo] // span:
-            hi += 1
-        out += _merged_widths([kk % span for kk in keys_l[lo:hi]], rows_l[lo:hi],
+    for _, run in groupby(zip(keys.tolist(), rows.tolist()), key=lambda kr: kr[0] // span):
+        run = list(run)
+        out += _merged_widths([key % span for key, _ in run], [r for _, r in run],
                               CAUSAL_GROUP_PAIRS)
-        lo = hi
     return torch.tensor(out, dtype=width.dtype, device=width.device)[inverse]
 
 
@@ -1295,9 +1290,9 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     """Build the :class:`CausalPlan` of ``st`` (leaves contiguous under every node):
     every family of two or more members at once, grouped by (depth, padded size), the
     sizes of one depth merged where padding costs less than a group
-    (:func:`_causal_widths`: one host synchronisation); the
-    per-group integers come back in one host synchronisation, then a loop over groups
-    (a handful per depth), never over nodes. Built once per structure."""
+    (:func:`_causal_widths`); the per-group integers come back in one host
+    synchronisation (the merge's in one more), then a loop over groups (a handful per
+    depth), never over nodes. Built once per structure."""
     n, m, dev = st.num_leaves, st.num_nodes, st.device
     first, last = st.leaf_ranges
     parent_u = st.parent_unified()
