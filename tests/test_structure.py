@@ -168,7 +168,7 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
             seen[p] = members
             assert sorted(members) == families[p]
             # padded size: the smallest grid size holding the family, or a wider one
-            # where small buckets merged (checked against merged_cost below)
+            # where small buckets merged (check_bucket_merges, below)
             leaf_only = all(u in b.leaves for u in members)
             grid[leaf_only, padded_size(len(members))].append(size)
             assert size >= padded_size(len(members))

@@ -122,6 +122,29 @@ def test_hsa_matches_reference(c):
     torch.testing.assert_close(y, dense_hsa(c.parent, c.q, c.k, c.v, **c.kw), **TOL)
 
 
+@pytest.mark.parametrize("slots", [0, 10 ** 9])
+@settings(max_examples=30, **SETTINGS)
+@given(c=cases())
+def test_hsa_matches_reference_with_and_without_bucket_merges(slots, c):
+    """Values and gradients equal the dense reference whether every grid size keeps its
+    bucket (0) or all of them count as small and merge wherever that is cheaper."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("hsa_graph.structure.BUCKET_SLOTS", slots)
+        tree = make_tree(c.parent)
+        q, k, v = (t.clone().requires_grad_() for t in (c.q, c.k, c.v))
+        y = hsa_graph.hsa(q, k, v, tree, **c.kw)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (c.q, c.k, c.v))
+    ref = dense_hsa(c.parent, qr, kr, vr, **c.kw)
+    torch.testing.assert_close(y, ref, **TOL)
+    g = torch.randn_like(ref)
+    # a tree without siblings reads no query or key (its gradient is None, i.e. zero)
+    got = torch.autograd.grad(y, (q, k, v), g, allow_unused=True)
+    want = torch.autograd.grad(ref, (qr, kr, vr), g, allow_unused=True)
+    for a, b, x in zip(got, want, (q, k, v)):
+        torch.testing.assert_close(torch.zeros_like(x) if a is None else a,
+                                   torch.zeros_like(x) if b is None else b, **TOL)
+
+
 @settings(max_examples=50, **SETTINGS)
 @given(cases())
 def test_hsa_weights_matches_reference(c):
