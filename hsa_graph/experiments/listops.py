@@ -122,6 +122,9 @@ class ListOpsClassifier(Module):
         attention: ``"hierarchical"``, ``"flat"`` or ``"none"``.
         channels, heads, hidden_channels, pos_dim, dropout: of the classifier.
         layers: attention layers.
+        layer: the layer, ``"hte"`` (the paper's HTE layer: the attention's residual is
+            the normalised query) or ``"pre_norm"`` (the standard pre-norm residual
+            block); see :class:`~hsa_graph.nn.TreeClassifier`.
         share_weights: one layer applied ``layers`` times (parameters of one layer).
         pool: the read-out, ``"mean"`` over the leaves or ``"first"``, the first leaf
             (the root operator of a parse tree, the first token of a sequence).
@@ -134,14 +137,16 @@ class ListOpsClassifier(Module):
     """
 
     def __init__(self, attention: str = "hierarchical", *, channels: int = 64, heads: int = 4,
-                 layers: int = 10, share_weights: bool = False, hidden_channels: int = 128,
+                 layers: int = 10, layer: str = "hte", share_weights: bool = False,
+                 hidden_channels: int = 128,
                  pos_dim: Optional[int] = 8, dropout: float = 0.0, pool: str = "mean",
                  include_self: bool = False):
         super().__init__()
         self.embedding = Embedding(len(VOCAB), channels)
         self.classifier = TreeClassifier(
             channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
-            attention=attention, num_layers=1 if share_weights else layers, pos_dim=pos_dim,
+            attention=attention, num_layers=1 if share_weights else layers, layer=layer,
+            pos_dim=pos_dim,
             dropout=dropout, pool=pool, include_self=bool(include_self))
         if share_weights:  # the same module `layers` times: one set of parameters
             self.classifier.encoder.layers = ModuleList(
@@ -207,9 +212,10 @@ class HTransformerClassifier(Module):
 
 def build_model(variant: str, **spec: Any) -> Module:
     """The model of ``variant`` (:data:`VARIANTS`) with the settings ``spec``
-    (``channels``, ``heads``, ``layers``, ``share_weights``, ``hidden_channels``,
+    (``channels``, ``heads``, ``layers``, ``layer``, ``share_weights``, ``hidden_channels``,
     ``pos_dim``, ``dropout``, ``pool``, ``include_self``, ``max_length``; the peer
-    H-Transformer-1D takes the first four and mean-pools)."""
+    H-Transformer-1D takes ``channels``, ``heads``, ``layers``, ``hidden_channels``,
+    ``max_length`` and mean-pools)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {tuple(VARIANTS)}")
     attention = VARIANTS[variant][1]
@@ -268,8 +274,8 @@ class ListOpsConfig:
         data_seed: seed of the data (the test split is fixed by it).
         data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
-        channels, heads, layers, share_weights, hidden_channels, pos_dim, dropout: the
-            models (:class:`ListOpsClassifier`).
+        channels, heads, layers, layer, share_weights, hidden_channels, pos_dim, dropout:
+            the models (:class:`ListOpsClassifier`).
         pool, include_self: the read-out and the self term of the models (ditto).
         device: ``"cpu"`` or ``"cuda"``.
         output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
@@ -298,6 +304,7 @@ class ListOpsConfig:
     channels: int = 64
     heads: int = 4
     layers: int = 10
+    layer: str = "hte"
     share_weights: bool = False
     hidden_channels: int = 128
     pos_dim: Optional[int] = 8
@@ -321,6 +328,8 @@ class ListOpsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.layer not in ("hte", "pre_norm"):
+            raise ValueError(f"layer must be 'hte' or 'pre_norm', got {self.layer!r}")
         if self.pool not in ("mean", "first"):
             raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
         if self.channels % self.heads:
@@ -330,7 +339,7 @@ class ListOpsConfig:
     def model_spec(self) -> Dict[str, Any]:
         """The settings :func:`build_model` takes."""
         return dict(channels=self.channels, heads=self.heads, layers=self.layers,
-                    share_weights=self.share_weights, hidden_channels=self.hidden_channels,
+                    layer=self.layer, share_weights=self.share_weights, hidden_channels=self.hidden_channels,
                     pos_dim=self.pos_dim, dropout=self.dropout, pool=self.pool,
                     include_self=self.include_self, max_length=self.max_length)
 
@@ -588,7 +597,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
             "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
-            "batch_size", "lr", "channels", "heads", "layers", "pos_dim", "dropout", "pool",
+            "batch_size", "lr", "channels", "heads", "layers", "layer", "pos_dim", "dropout",
+            "pool",
             "device", "output_dir")
 
 
@@ -610,6 +620,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
     parser.add_argument("--dropout", type=float, default=None, help=f"default {d.dropout}")
+    parser.add_argument("--layer", choices=("hte", "pre_norm"), default=None,
+                        help=f"the attention layer: the paper's HTE layer or the pre-norm "
+                        f"residual block (default {d.layer})")
     parser.add_argument("--share-weights", action="store_true",
                         help="one attention layer applied --layers times")
     parser.add_argument("--operators", nargs="+", choices=OPERATORS, default=None,

@@ -49,6 +49,10 @@ class TreeClassifier(Module):
         hidden_channels: hidden size of the MLP (paper: 128).
         attention: ``"hierarchical"``, ``"flat"`` or ``"none"`` (see above).
         num_layers: attention layers (paper: 1).
+        layer: the encoder's layer, ``"hte"`` (the paper's HTE layer,
+            :class:`~hsa_graph.nn.HierarchicalTransformerEncoderLayer`) or ``"pre_norm"``
+            (the standard pre-norm residual block,
+            :class:`~hsa_graph.nn.HSATransformerEncoderLayer`).
         num_modalities: ``T``; with ``T > 1`` the input projection and the q/k/v maps
             have one set of weights per modality tag (``tree.modality``).
         pos_dim: per-head size of the position embeddings (``None``: none).
@@ -86,7 +90,8 @@ class TreeClassifier(Module):
 
     def __init__(self, in_channels: int, num_classes: int, channels: int = 128, heads: int = 3,
                  *, hidden_channels: int = 128, attention: str = "hierarchical",
-                 num_layers: int = 1, num_modalities: int = 1, pos_dim: Optional[int] = 16,
+                 num_layers: int = 1, layer: str = "hte", num_modalities: int = 1,
+                 pos_dim: Optional[int] = 16,
                  pos_kwargs: Optional[Dict[str, Any]] = None, dropout: float = 0.1,
                  act: str = "gelu", pool: str = "mean", **kwargs: Any):
         super().__init__()
@@ -106,10 +111,10 @@ class TreeClassifier(Module):
             kwargs["head_channels"] = channels // heads
         self.in_channels, self.num_classes = in_channels, num_classes
         self.channels, self.hidden_channels = channels, hidden_channels
-        self.attention, self.num_modalities = attention, num_modalities
+        self.attention, self.num_modalities, self.layer = attention, num_modalities, layer
         self.input = ModalityLinear(in_channels, channels, num_modalities)
         self.encoder = HierarchicalTransformerEncoder(
-            channels, num_layers, heads, layer="hte", attention=attention, pos_dim=pos_dim,
+            channels, num_layers, heads, layer=layer, attention=attention, pos_dim=pos_dim,
             pos_kwargs=pos_kwargs, num_modalities=num_modalities, dropout=dropout, act=act,
             **kwargs)
         self.mlp = Sequential(Linear(channels, hidden_channels), activation_resolver(act),
@@ -194,6 +199,7 @@ class TreeClassifier(Module):
                 f"num_layers={len(self.encoder.layers)}, "
                 f"hidden_channels={self.hidden_channels}, "
                 f"num_modalities={self.num_modalities}, pos_dim={attn.pos_dim}"
+                + ("" if self.layer == "hte" else f", layer={self.layer!r}")
                 + ("" if self.pool == "mean" else f", pool={self.pool!r}") + ")")
 
 

@@ -8,6 +8,7 @@ import torch
 from hsa_graph.cli import main
 from hsa_graph.datasets.listops import generate_listops, read_listops_tsv, write_listops_tsv
 from hsa_graph.experiments.listops import (
+    QUICK,
     VARIANTS,
     ListOpsConfig,
     build_examples,
@@ -87,6 +88,35 @@ def test_model_options_reach_the_models():
     assert all(layer.attn.include_self for layer in model.classifier.encoder.layers)
     with pytest.raises(ValueError, match="pool"):
         ListOpsConfig(pool="max").validate()
+    with pytest.raises(ValueError, match="layer must be"):
+        ListOpsConfig(layer="post_norm").validate()
+
+
+def test_the_layer_option_builds_pre_norm_stacks():
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.listops import config_from_args
+    from hsa_graph.nn import HierarchicalTransformerEncoderLayer, HSATransformerEncoderLayer
+
+    args = build_parser("listops").parse_args(["listops", "--quick", "--layer", "pre_norm"])
+    config = config_from_args(args)
+    assert config.layer == "pre_norm" and config.model_spec()["layer"] == "pre_norm"
+    pre = build_model("hsa-tree", **config.model_spec())
+    assert all(isinstance(layer, HSATransformerEncoderLayer)
+               for layer in pre.classifier.encoder.layers)
+    assert not any(layer.attn.include_self for layer in pre.classifier.encoder.layers)
+    assert "layer='pre_norm'" in repr(pre.classifier)
+    hte = build_model("hsa-tree", **ListOpsConfig(**QUICK).model_spec())
+    assert all(isinstance(layer, HierarchicalTransformerEncoderLayer)
+               for layer in hte.classifier.encoder.layers)
+    assert "layer=" not in repr(hte.classifier)
+    # the same parameter count whatever the attention, for either layer
+    for layer in ("hte", "pre_norm"):
+        counts = {sum(p.numel() for p in build_model(v, channels=16, heads=2, layers=2,
+                                                     hidden_channels=16, layer=layer)
+                      .parameters()) for v in ("hsa-tree", "fsa", "deepset")}
+        assert len(counts) == 1
+    with pytest.raises(ValueError, match="layer must be one of"):
+        build_model("hsa-tree", channels=16, heads=2, layers=1, layer="post_norm")
 
 
 def test_checkpoint_evaluates_to_the_reported_accuracy(tiny_run, tmp_path):
