@@ -339,7 +339,8 @@ class ListOpsConfig:
     def model_spec(self) -> Dict[str, Any]:
         """The settings :func:`build_model` takes."""
         return dict(channels=self.channels, heads=self.heads, layers=self.layers,
-                    layer=self.layer, share_weights=self.share_weights, hidden_channels=self.hidden_channels,
+                    layer=self.layer, share_weights=self.share_weights,
+                    hidden_channels=self.hidden_channels,
                     pos_dim=self.pos_dim, dropout=self.dropout, pool=self.pool,
                     include_self=self.include_self, max_length=self.max_length)
 
