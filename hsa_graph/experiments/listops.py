@@ -83,6 +83,7 @@ from ..datasets.listops import (
     write_listops_tsv,
 )
 from ..nn.classifier import TreeClassifier
+from ..nn.encoder import LAYERS
 from .train import TrainConfig, _cpu_state, evaluate, fit, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -140,16 +141,14 @@ class ListOpsClassifier(Module):
 
     def __init__(self, attention: str = "hierarchical", *, channels: int = 64, heads: int = 4,
                  layers: int = 10, layer: str = "hte", share_weights: bool = False,
-                 hidden_channels: int = 128,
-                 pos_dim: Optional[int] = 8, dropout: float = 0.0, pool: str = "mean",
-                 include_self: bool = False):
+                 hidden_channels: int = 128, pos_dim: Optional[int] = 8,
+                 dropout: float = 0.0, pool: str = "mean", include_self: bool = False):
         super().__init__()
         self.embedding = Embedding(len(VOCAB), channels)
         self.classifier = TreeClassifier(
             channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
             attention=attention, num_layers=1 if share_weights else layers, layer=layer,
-            pos_dim=pos_dim,
-            dropout=dropout, pool=pool, include_self=bool(include_self))
+            pos_dim=pos_dim, dropout=dropout, pool=pool, include_self=bool(include_self))
         if share_weights:  # the same module `layers` times: one set of parameters
             self.classifier.encoder.layers = ModuleList(
                 [self.classifier.encoder.layers[0]] * layers)
@@ -330,8 +329,8 @@ class ListOpsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.layer not in ("hte", "pre_norm"):
-            raise ValueError(f"layer must be 'hte' or 'pre_norm', got {self.layer!r}")
+        if self.layer not in LAYERS:
+            raise ValueError(f"layer must be one of {LAYERS}, got {self.layer!r}")
         if self.pool not in ("mean", "first"):
             raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
         if self.channels % self.heads:
@@ -342,8 +341,8 @@ class ListOpsConfig:
         """The settings :func:`build_model` takes."""
         return dict(channels=self.channels, heads=self.heads, layers=self.layers,
                     layer=self.layer, share_weights=self.share_weights,
-                    hidden_channels=self.hidden_channels,
-                    pos_dim=self.pos_dim, dropout=self.dropout, pool=self.pool,
+                    hidden_channels=self.hidden_channels, pos_dim=self.pos_dim,
+                    dropout=self.dropout, pool=self.pool,
                     include_self=self.include_self, max_length=self.max_length)
 
 
@@ -601,8 +600,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
             "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
             "batch_size", "lr", "channels", "heads", "layers", "layer", "pos_dim", "dropout",
-            "pool",
-            "device", "output_dir")
+            "pool", "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -623,7 +621,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
     parser.add_argument("--dropout", type=float, default=None, help=f"default {d.dropout}")
-    parser.add_argument("--layer", choices=("hte", "pre_norm"), default=None,
+    parser.add_argument("--layer", choices=LAYERS, default=None,
                         help=f"the attention layer: the paper's HTE layer or the pre-norm "
                         f"residual block (default {d.layer})")
     parser.add_argument("--share-weights", action="store_true",

@@ -179,6 +179,8 @@ class HSATransformerEncoderLayer(Module):
 
 
 _LAYERS = {"hte": HierarchicalTransformerEncoderLayer, "pre_norm": HSATransformerEncoderLayer}
+#: the layer names :class:`HierarchicalTransformerEncoder` takes.
+LAYERS = tuple(_LAYERS)
 
 
 class HierarchicalTransformerEncoder(Module):
@@ -234,7 +236,7 @@ class HierarchicalTransformerEncoder(Module):
                  pos_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any):
         super().__init__()
         if layer not in _LAYERS:
-            raise ValueError(f"layer must be one of {tuple(_LAYERS)}, got {layer!r}")
+            raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if not isinstance(num_layers, int) or num_layers < 1:
