@@ -36,8 +36,10 @@ paper's HTE layer carries a token's own features past the attention only as its
 normalised query, and four of them stacked stay at chance on ``SM`` for 60 epochs, with
 HSA, FSA or no attention alike, even on single-family expressions; one HTE layer, or four
 standard pre-norm residual blocks (``layer="pre_norm"``, ``x + attention(LN(x))``), learn
-it (pre-norm HSA: 0.97 there). Over nested arguments ``SM`` needs each argument's exact
-value, which HSA sees as the mean of that argument's leaves, and it stays hard.
+it (pre-norm HSA: 0.97 there). Over nested arguments ``SM`` stays at chance once they
+are drawn from all four operators; over ``MAX`` / ``MIN`` arguments of any size it is
+learned (``examples/listops_probes.py``), so the leaf-count weight HSA gives a nested
+argument is not what blocks it.
 ``operators`` draws a subset (e.g. without ``SM``) to measure each operator's share, and
 every run reports test accuracy by root operator and by nesting depth
 (:func:`accuracy_breakdown`).
