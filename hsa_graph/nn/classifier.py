@@ -133,6 +133,11 @@ class TreeClassifier(Module):
 
     def embed(self, x: Tensor, tree) -> Tensor:
         """Pooled tree vectors ``[num_trees, C]`` (the MLP's input)."""
+        return global_leaf_pool(self.encode(x, tree), tree, self.pool)
+
+    def encode(self, x: Tensor, tree) -> Tensor:
+        """The encoder's leaf outputs ``[N, C]`` (before the read-out), e.g. to read out
+        other nodes with :func:`~hsa_graph.nn.subtree_pool` and :attr:`mlp`."""
         structure = _structure(tree, x)
         n = structure.num_leaves
         if x.dim() != 2 or x.shape[0] != n or x.shape[1] != self.in_channels:
@@ -140,8 +145,7 @@ class TreeClassifier(Module):
                              f"(N = {n}), got {tuple(x.shape)}")
         x = x.to(self.input.weight.dtype)
         modality = leaf_modalities(tree, structure, self.num_modalities, x.device)
-        h = self.encoder(self.input(x, modality), tree)
-        return global_leaf_pool(h, tree, self.pool)
+        return self.encoder(self.input(x, modality), tree)
 
     def forward(self, x, tree=None) -> Tensor:
         """Logits ``[num_trees, K]`` of ``model(batch)`` or ``model(x, batch)``."""

@@ -134,3 +134,14 @@ def test_repr_and_reset():
     torch.manual_seed(1)
     model.reset_parameters()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_encode_is_what_embed_pools():
+    torch.manual_seed(0)
+    tree = hsa_graph.NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2, 2])
+    model = TreeClassifier(4, 3, 8, 2, pool="max").eval()
+    x = torch.randn(5, 4)
+    h = model.encode(x, tree)
+    assert h.shape == (5, 8)
+    torch.testing.assert_close(model.embed(x, tree), global_leaf_pool(h, tree, "max"))
+    torch.testing.assert_close(model(x, tree), model.mlp(global_leaf_pool(h, tree, "max")))
