@@ -54,10 +54,10 @@ def supervised_tree(expression: str):
     tree = listops_tree(parsed)
     del tree.depth
     is_op = (parsed.tokens >= 10) & (parsed.tokens < 10 + len(OPERATORS))
-    internal = torch.ones(tree.num_nodes, dtype=torch.bool)
-    internal[tree.parent[tree.parent >= 0]] = False
-    internal = (~internal).nonzero().flatten()  # nodes with children, increasing
+    has_children = torch.zeros(tree.num_nodes, dtype=torch.bool)
+    has_children[tree.parent[tree.parent >= 0]] = True
     # internal nodes are numbered in token order, one per operator token
+    internal = has_children.nonzero().flatten()
     values = torch.from_numpy(parsed.values[is_op].astype(np.int64))
     tree.operator_index = internal[1:]
     tree.operator_y = values[1:]
