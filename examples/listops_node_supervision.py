@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch_geometric.data import Batch
 
 from hsa_graph.datasets.listops import (
-    OPERATORS,
+    CLOSE,
     generate_listops_splits,
     listops_tree,
     parse_listops,
     read_listops_tsv,
 )
-from hsa_graph.experiments.listops import build_model
+from hsa_graph.experiments.listops import QUICK, ListOpsConfig, accuracy_breakdown, build_model
 from hsa_graph.nn import global_leaf_pool, subtree_pool
 
 
@@ -53,7 +53,7 @@ def supervised_tree(expression: str):
     parsed = parse_listops(expression)
     tree = listops_tree(parsed)
     del tree.depth
-    is_op = (parsed.tokens >= 10) & (parsed.tokens < 10 + len(OPERATORS))
+    is_op = (parsed.tokens >= 10) & (parsed.tokens < CLOSE)
     has_children = torch.zeros(tree.num_nodes, dtype=torch.bool)
     has_children[tree.parent[tree.parent >= 0]] = True
     # internal nodes are numbered in token order, one per operator token
@@ -64,30 +64,30 @@ def supervised_tree(expression: str):
     return tree
 
 
-def load(args: argparse.Namespace) -> Dict[str, List[Tuple[str, int]]]:
-    if args.data_dir:
-        return {s: read_listops_tsv(Path(args.data_dir) / f"basic_{s}.tsv")
+def settings(args: argparse.Namespace) -> ListOpsConfig:
+    """The ``hsa-graph listops --quick`` settings of the runs this script compares with
+    (10,000 / 500 / 1,000 expressions, width 64, pre-norm, lr 1e-3)."""
+    return ListOpsConfig(**{**QUICK, "num_train": 10_000, "num_val": 500, "num_test": 1_000,
+                            "max_depth": args.max_depth, "channels": 64, "lr": 1e-3,
+                            "layer": "pre_norm", "data_dir": args.data_dir})
+
+
+def load(config: ListOpsConfig) -> Dict[str, List[Tuple[str, int]]]:
+    if config.data_dir:
+        return {s: read_listops_tsv(Path(config.data_dir) / f"basic_{s}.tsv")
                 for s in ("train", "val", "test")}
-    return generate_listops_splits(10_000, 500, 1_000, seed=0, max_depth=args.max_depth,
-                                   max_args=5, min_length=10, max_length=60)
+    return generate_listops_splits(
+        config.num_train, config.num_val, config.num_test, seed=config.data_seed,
+        max_depth=config.max_depth, max_args=config.max_args, min_length=config.min_length,
+        max_length=config.max_length)
 
 
 def accuracy(model, trees: Sequence, rows: Sequence[Tuple[str, int]]) -> Dict[str, float]:
-    """Test accuracy, overall and by root operator."""
-    model.eval()
-    hits = []
-    with torch.no_grad():
-        for start in range(0, len(trees), 64):
-            batch = Batch.from_data_list(list(trees[start:start + 64]))
-            hits.append(model(batch).argmax(-1) == batch.y)
-    model.train()
-    hit = torch.cat(hits).float()
-    out = {"all": hit.mean().item()}
-    roots = [e.split()[0].lstrip("[") for e, _ in rows]
-    for op in OPERATORS:
-        chosen = [i for i, r in enumerate(roots) if r == op]
-        if chosen:
-            out[op] = hit[chosen].mean().item()
+    """Accuracy, overall and by root operator (:func:`accuracy_breakdown`)."""
+    by_operator = accuracy_breakdown(model, trees, rows, batch_size=64)["by_operator"]
+    total = sum(g["n"] for g in by_operator.values())
+    out = {"all": sum(g["accuracy"] * g["n"] for g in by_operator.values()) / total}
+    out.update({op: g["accuracy"] for op, g in by_operator.items()})
     return out
 
 
@@ -104,19 +104,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    splits = load(args)
+    config = settings(args)
+    config.validate()
+    splits = load(config)
     trees = {s: [supervised_tree(e) for e, _ in rows] for s, rows in splits.items()}
     torch.manual_seed(args.seed)
-    model = build_model("hsa-tree", channels=64, heads=4, layers=4, layer="pre_norm",
-                        hidden_channels=64, pos_dim=8)
+    model = build_model("hsa-tree", **config.model_spec())
     readout = model.classifier
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     history, best, best_state, start = [], -1.0, None, time.time()
     for epoch in range(args.epochs):
         order = torch.randperm(len(trees["train"]),
                                generator=torch.Generator().manual_seed(args.seed + epoch))
-        for i in range(0, len(order), 32):
-            batch = Batch.from_data_list([trees["train"][j] for j in order[i:i + 32]])
+        for i in range(0, len(order), config.batch_size):
+            batch = Batch.from_data_list([trees["train"][j]
+                                          for j in order[i:i + config.batch_size]])
             h = readout.encode(model.embedding(batch.x), batch)
             loss = F.cross_entropy(readout.mlp(global_leaf_pool(h, batch)), batch.y)
             if args.weight:
