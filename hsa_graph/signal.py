@@ -248,7 +248,8 @@ class NestedSignal(Data):
                 misplaced geometries, positions or features of the wrong shape.
         """
         parent = _as_long_tensor(parent, "parent")
-        structure = TreeStructure.from_parent(parent)  # validates: range, cycles
+        # the layout is derived on first use (a batch derives its own)
+        TreeStructure.check_parent(parent)
         m = parent.numel()
         device = parent.device
         has_parent = parent >= 0
@@ -310,9 +311,6 @@ class NestedSignal(Data):
         data = cls(x=x, edge_index=edge_index, geometry=geometry, position=position,
                    modality=modality, key=key, sibling_edge_index=sibling_edge_index,
                    num_nodes=m, **attrs)
-        cache = _StructureCache(edge_index, m)
-        cache.by_device[device] = structure
-        data.__dict__["_structure_cache"] = cache
         return data
 
     @classmethod

@@ -940,6 +940,14 @@ class TreeStructure:
         and derive the layout. Raises ``ValueError`` naming the offending node."""
         return _build(parent)
 
+    @staticmethod
+    def check_parent(parent: Tensor) -> None:
+        """The checks of :meth:`from_parent` (indices in range, no cycles) without
+        deriving the layout, for constructors that build it only when it is used.
+        Raises ``ValueError`` (``TypeError`` for a non-integer array) naming the node."""
+        _check_parent(parent)
+        _depth_by_pointer_jumping(parent.long())
+
 
 def _scatter_rows(out: Tensor, sources: List[Tensor], values: List[Tensor]) -> Tensor:
     """A fresh ``out`` with rows ``sources[i]`` set to ``values[i]``, in one in-place

@@ -22,6 +22,7 @@ from .listops import (
     run_listops,
 )
 from .train import (
+    ClassifierOutput,
     TrainConfig,
     evaluate,
     fit,
@@ -31,6 +32,7 @@ from .train import (
 )
 
 __all__ = [
+    "ClassifierOutput",
     "HTransformerClassifier",
     "ListOpsClassifier",
     "ListOpsConfig",

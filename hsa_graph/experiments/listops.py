@@ -67,14 +67,17 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Dropout, Embedding, Linear, Module, ModuleList, Sequential
 from torch_geometric.nn.resolver import activation_resolver
 
 from ..datasets.listops import (
+    CLOSE,
     LRA_SETTINGS,
     OPERATORS,
     VOCAB,
@@ -86,7 +89,16 @@ from ..datasets.listops import (
 )
 from ..nn.classifier import TreeClassifier
 from ..nn.encoder import LAYERS
-from .train import TrainConfig, _cpu_state, evaluate, fit, load_checkpoint, save_checkpoint
+from .train import (
+    ClassifierOutput,
+    TrainConfig,
+    _cpu_state,
+    _forward,
+    evaluate,
+    fit,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = [
     "ListOpsClassifier",
@@ -94,12 +106,15 @@ __all__ = [
     "QUICK",
     "VARIANTS",
     "HTransformerClassifier",
+    "NestedValueLoss",
     "accuracy_breakdown",
     "add_arguments",
     "build_examples",
     "build_model",
     "estimate_epoch_seconds",
     "evaluate_checkpoint",
+    "load_model",
+    "nested_accuracy",
     "run",
     "run_listops",
 ]
@@ -157,10 +172,92 @@ class ListOpsClassifier(Module):
 
     def forward(self, batch) -> Tensor:
         """Logits ``[num_trees, 10]``."""
+        return self.classifier.read_out(self.encode(batch), batch)
+
+    def encode(self, batch) -> Tensor:
+        """The encoder's outputs at the tokens (the leaves), ``[N, channels]``."""
         x = batch.x
         if not isinstance(x, Tensor) or x.dtype != torch.long or x.dim() != 1:
             raise TypeError("ListOpsClassifier needs trees whose x holds token ids [N] (long)")
-        return self.classifier(self.embedding(x), batch)
+        return self.classifier.encode(self.embedding(x), batch)
+
+    def read_out_nested(self, token_outputs: Tensor, batch) -> Tensor:
+        """Logits ``[K, 10]`` of the nested operators of a batch built with
+        ``nested_targets`` (:func:`build_examples`): the read-out of each one's span
+        of tokens (their mean, or with ``pool="first"`` the operator token), then the
+        MLP. ``token_outputs``: :meth:`encode`'s."""
+        structure = batch.structure_for(token_outputs.device)
+        nested = batch.nested_index
+        if self.classifier.pool == "first":  # the span's first token: the operator
+            pooled = token_outputs[structure.unified_of_node[nested]]
+        else:
+            owner = batch.nested_owner_index
+            sums = token_outputs.new_zeros(structure.num_nodes, token_outputs.shape[1])
+            sums.index_add_(0, owner, token_outputs[
+                structure.unified_of_node[batch.nested_leaf_index]])
+            size = torch.bincount(owner, minlength=structure.num_nodes)
+            pooled = sums[nested] / size[nested, None].to(token_outputs.dtype)
+        return self.classifier.mlp(pooled)
+
+
+class NestedValueLoss(Module):
+    r"""Training wrapper of a :class:`ListOpsClassifier` that also asks for the value
+    of every nested operator: the model's read-out (pooling, then MLP) applied to the
+    tokens of each nested operator's span (``[OP`` through its arguments; with
+    ``]`` leaves, through its ``]``) against that operator's value, next to the root's
+    loss. For a graph with nested operators :math:`K_T`,
+
+    .. math::
+        \ell_T = \mathrm{CE}(f(T), y_T) + w \frac{1}{|K_T|} \sum_{k \in K_T}
+        \mathrm{CE}\big(\mathrm{MLP}(\mathrm{pool}_{i \in \mathrm{span}(k)} h_i), y_k\big),
+
+    the second term returned as the ``extra_loss`` of a
+    :class:`~hsa_graph.experiments.ClassifierOutput`, so :func:`~hsa_graph.experiments.fit`
+    adds it in training steps and leaves it out of validation. On the parse tree a
+    span is the operator's subtree, so its mean is what the parent's attention reads of
+    it; on windows and flat attention the same tokens are pooled. The values come from
+    the expression (:func:`build_examples` with ``nested_targets=True``): this is not
+    LRA's protocol, which trains on the root label alone.
+
+    Args:
+        model: the classifier (its parameters are this module's).
+        weight: :math:`w \ge 0`.
+
+    Shapes:
+        - **input:** a batch of :func:`build_examples` trees; those with
+          ``nested_index`` get the extra term, others (validation, test) give logits.
+        - **output:** :class:`~hsa_graph.experiments.ClassifierOutput` (logits
+          ``[num_trees, 10]``, ``extra_loss`` ``[num_trees]``), or logits.
+    """
+
+    def __init__(self, model: ListOpsClassifier, weight: float = 1.0):
+        super().__init__()
+        if not isinstance(model, ListOpsClassifier):
+            raise TypeError(f"NestedValueLoss wraps a ListOpsClassifier, got "
+                            f"{type(model).__name__}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                weight >= 0 and np.isfinite(weight)):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        self.model = model
+        self.weight = float(weight)
+
+    def forward(self, batch):
+        """A :class:`~hsa_graph.experiments.ClassifierOutput` for batches that carry
+        nested targets, else logits ``[num_trees, 10]``."""
+        h = self.model.encode(batch)
+        logits = self.model.classifier.read_out(h, batch)
+        if getattr(batch, "nested_index", None) is None:
+            return logits
+        loss = F.cross_entropy(self.model.read_out_nested(h, batch), batch.nested_y,
+                               reduction="none")
+        graph = batch.batch[batch.nested_index]
+        num_graphs = int(batch.num_graphs)
+        per_graph = loss.new_zeros(num_graphs).index_add_(0, graph, loss)
+        count = torch.bincount(graph, minlength=num_graphs).clamp_min(1)
+        return ClassifierOutput(logits, self.weight * per_graph / count.to(loss.dtype))
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(weight={self.weight})"
 
 
 class HTransformerClassifier(Module):
@@ -229,11 +326,57 @@ def build_model(variant: str, **spec: Any) -> Module:
 
 
 # ------------------------------------------------------------------ data
+def _operator_heights(parsed, is_open: np.ndarray) -> np.ndarray:
+    """``[T]`` the height of each operator token's subtree (1: over digits only; 0
+    for other tokens), a few array operations per nesting level."""
+    height = is_open.astype(np.int64)
+    for level in range(int(parsed.level.max()), 0, -1):
+        ops = np.flatnonzero(is_open & (parsed.level == level))
+        np.maximum.at(height, parsed.parent[ops], height[ops] + 1)
+    return height
+
+
+def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
+    """The targets :class:`NestedValueLoss` reads, on ``tree`` whose leaves are the
+    tokens of ``parsed`` in order (without ``]`` unless ``keep_close``): for every
+    nested operator (one inside another), ``nested_index`` (the node of its operator
+    token), ``nested_y`` (its value), ``nested_height`` (1: over digits only, 2: over
+    operators over digits, ...), and for every token of its span
+    ``nested_leaf_index`` (the token's node) and ``nested_owner_index`` (the
+    operator's node). Node indices, so batching offsets them."""
+    tokens = parsed.tokens
+    is_close = tokens == CLOSE
+    is_open = (tokens >= 10) & (tokens < CLOSE)
+    nested = np.flatnonzero(is_open & (parsed.parent >= 0))
+    end = np.zeros(tokens.size, dtype=np.int64)
+    end[parsed.parent[is_close]] = np.flatnonzero(is_close)  # the ']' of each operator
+    closes = np.cumsum(is_close)
+    if keep_close:
+        first, last = nested, end[nested]
+    else:  # a token's leaf: its position less the ']' before it
+        first, last = nested - closes[nested], end[nested] - closes[end[nested]]
+    leaves = tree.leaf_index
+    expected = tokens.size if keep_close else tokens.size - int(closes[-1])
+    if leaves.numel() != expected:
+        raise ValueError(f"the tree has {leaves.numel()} leaves for {expected} tokens")
+    sizes = last - first + 1
+    starts = np.repeat(first - np.cumsum(sizes) + sizes, sizes)
+    span = torch.from_numpy(np.arange(int(sizes.sum())) + starts)
+    anchor = leaves[torch.from_numpy(first)]
+    tree.nested_index = anchor
+    tree.nested_y = torch.from_numpy(parsed.values[nested].astype(np.int64))
+    tree.nested_height = torch.from_numpy(_operator_heights(parsed, is_open)[nested])
+    tree.nested_leaf_index = leaves[span]
+    tree.nested_owner_index = anchor.repeat_interleave(torch.from_numpy(sizes))
+
+
 def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
-                   where: str = "data") -> List[Any]:
+                   where: str = "data", nested_targets: bool = False) -> List[Any]:
     """One tree per ``(expression, label)`` row: the parse tree (``"parse"``, or
     ``"parse_brackets"`` with ``]`` leaves) or hopping windows over all tokens
-    (``"windows"``), each with ``x`` token ids and ``y`` the label.
+    (``"windows"``), each with ``x`` token ids and ``y`` the label; with
+    ``nested_targets`` also the values of the nested operators and their spans
+    (for :class:`NestedValueLoss`).
 
     Raises:
         ValueError: naming the row, for a malformed expression or a label that is not
@@ -258,6 +401,8 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
         else:
             tree = listops_tree(parsed, brackets=structure == "parse_brackets")
             del tree.depth
+        if nested_targets:
+            _attach_nested_targets(tree, parsed, keep_close=structure != "parse")
         out.append(tree)
     return out
 
@@ -280,6 +425,11 @@ class ListOpsConfig:
         channels, heads, layers, layer, share_weights, hidden_channels, pos_dim, dropout:
             the models (:class:`ListOpsClassifier`).
         pool, include_self: the read-out and the self term of the models (ditto).
+        node_loss: weight of the loss on every nested operator's value
+            (:class:`NestedValueLoss`; ``0``: the root label alone, LRA's protocol).
+        init_from: the output directory of an earlier run: each variant and seed
+            starts from its checkpoint there (same model settings), e.g. to train on
+            shallow expressions first and then on deeper ones (a curriculum).
         device: ``"cpu"`` or ``"cuda"``.
         output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
         progress: progress output.
@@ -314,6 +464,8 @@ class ListOpsConfig:
     dropout: float = 0.0
     pool: str = "mean"
     include_self: bool = False
+    node_loss: float = 0.0
+    init_from: Optional[str] = None
     device: str = "cpu"
     output_dir: Optional[str] = None
     progress: bool = True
@@ -335,6 +487,12 @@ class ListOpsConfig:
             raise ValueError(f"layer must be one of {LAYERS}, got {self.layer!r}")
         if self.pool not in ("mean", "first"):
             raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
+        if isinstance(self.node_loss, bool) or not isinstance(self.node_loss, (int, float)) \
+                or not (self.node_loss >= 0 and np.isfinite(self.node_loss)):
+            raise ValueError(f"node_loss must be a finite number >= 0, got {self.node_loss!r}")
+        if self.node_loss and "h-transformer-1d" in self.variants:
+            raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
+                             "the h-transformer-1d variant does not support it")
         if self.channels % self.heads:
             raise ValueError(f"channels ({self.channels}) must be a multiple of heads "
                              f"({self.heads})")
@@ -440,6 +598,43 @@ def accuracy_breakdown(model: Module, examples: Sequence[Any],
                    for key, v in sorted(table.items())} for kind, table in groups.items()}
 
 
+def nested_accuracy(model: Module, examples: Sequence[Any], *, batch_size: int = 32,
+                    device: str = "cpu") -> Dict[str, Dict[str, float]]:
+    """Accuracy of the nested operators' read-out (:meth:`ListOpsClassifier.
+    read_out_nested`) on ``examples`` built with ``nested_targets``, by operator and
+    height (``"SM/1"``: an ``SM`` over digits only, ``"SM/2"``: over operators over
+    digits, ...): ``{key: {"accuracy", "n"}}`` with ``"all"`` first. For models
+    trained with :class:`NestedValueLoss`: do the nested values get computed?"""
+    from torch_geometric.data import Batch
+
+    if not isinstance(model, ListOpsClassifier):
+        raise TypeError(f"nested_accuracy reads a ListOpsClassifier, got "
+                        f"{type(model).__name__}")
+    was_training = model.training
+    model.eval()
+    hits, keys = [], []
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = Batch.from_data_list(list(examples[start:start + batch_size])).to(device)
+            if getattr(batch, "nested_index", None) is None:
+                raise ValueError("nested_accuracy needs examples built with "
+                                 "nested_targets=True")
+            logits = model.read_out_nested(model.encode(batch), batch)
+            hits.append((logits.argmax(-1) == batch.nested_y).cpu())
+            operator = batch.x[batch.structure_for(batch.x.device).unified_of_node[
+                batch.nested_index]].cpu() - 10
+            keys.append(operator * 1000 + batch.nested_height.cpu())
+    model.train(was_training)
+    hit, key = (torch.cat(hits), torch.cat(keys)) if hits else (torch.zeros(0), torch.zeros(0))
+    out = {"all": {"accuracy": float(hit.float().mean()) if hit.numel() else float("nan"),
+                   "n": int(hit.numel())}}
+    for k in torch.unique(key).tolist():
+        chosen = hit[key == k]
+        out[f"{OPERATORS[k // 1000]}/{k % 1000}"] = {"accuracy": float(chosen.float().mean()),
+                                                     "n": int(chosen.numel())}
+    return out
+
+
 def _interval(values: Sequence[float]) -> Tuple[float, float]:
     from .sentiment import interval
 
@@ -467,22 +662,26 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
         structure = VARIANTS[variant][0]
         if structure not in built:
             t0 = time.perf_counter()
-            built[structure] = {s: build_examples(rows, structure, where=s)
-                                for s, rows in splits.items()}
+            # with node_loss the nested values train and are reported on the test split;
+            # validation selects on the root label alone
+            built[structure] = {s: build_examples(
+                rows, structure, where=s, nested_targets=bool(config.node_loss) and
+                s != "val") for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
         for seed in range(config.seeds):
             torch.manual_seed(seed)
             try:
-                model = build_model(variant, **config.model_spec())
+                model = _initial_model(config, variant, seed)
             except ImportError as error:
                 print(f"[{variant}] skipped: {error}", flush=True)
                 break
             if config.progress:
                 print(f"[{variant} / seed {seed}] {len(sets['train'])} train, "
                       f"{len(sets['val'])} val, {len(sets['test'])} test", flush=True)
+            trained = NestedValueLoss(model, config.node_loss) if config.node_loss else model
             with _PeakMemory(config.device) as memory:
-                result = fit(model, sets["train"], sets["val"], TrainConfig(
+                result = fit(trained, sets["train"], sets["val"], TrainConfig(
                     epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
                     weight_decay=config.weight_decay, seed=seed, grad_clip=config.grad_clip,
                     device=config.device, progress=config.progress))
@@ -498,9 +697,16 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                    "peak_memory_mib": memory.mib,
                    "parameters": sum(p.numel() for p in model.parameters()),
                    "breakdown": breakdown, "history": history}
+            if config.node_loss:
+                run["nested_breakdown"] = nested_accuracy(
+                    model, sets["test"], batch_size=config.batch_size, device=config.device)
             # one line per run, with or without progress bars
+            nested = ""
+            if config.node_loss:
+                nested = ", nested operators " + " ".join(
+                    f"{k} {v['accuracy']:.3f}" for k, v in run["nested_breakdown"].items())
             print(f"[{variant} / seed {seed}] test accuracy {metrics['accuracy']:.4f}, "
-                  f"{run['seconds_per_epoch']:.1f} s / epoch", flush=True)
+                  f"{run['seconds_per_epoch']:.1f} s / epoch{nested}", flush=True)
             if out_dir is not None:
                 path = out_dir / "checkpoints" / f"{variant}_seed{seed}.pt"
                 save_checkpoint({"model": _cpu_state(model),
@@ -523,7 +729,11 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                         # the share of each root operator answered right (mean over seeds)
                         **{f"acc_{op}": sum(r["breakdown"]["by_operator"][op]["accuracy"]
                                             for r in rows) / len(rows)
-                           for op in rows[0]["breakdown"]["by_operator"]}})
+                           for op in rows[0]["breakdown"]["by_operator"]},
+                        # with node_loss: the nested operators' read-out, all of them
+                        **({"acc_nested": sum(r["nested_breakdown"]["all"]["accuracy"]
+                                              for r in rows) / len(rows)}
+                           if config.node_loss else {})})
     from .report import markdown_table
 
     out = {"task": "listops", "title": "ListOps (regenerated LRA data): HSA on the parse tree "
@@ -542,8 +752,8 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
 def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[str, Any]]:
     """Time ``steps`` training steps (forward, backward, AdamW) per variant on data of
     ``config``'s settings and extrapolate to one epoch of ``config.num_train`` examples;
-    also the peak memory of those steps. For budgeting the full run."""
-    import torch.nn.functional as F
+    also the peak memory of those steps (with ``node_loss``, of the training wrapper).
+    For budgeting the full run."""
     from torch_geometric.data import Batch
 
     config.validate()
@@ -553,13 +763,15 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
                                    max_length=config.max_length)["train"]
     out = []
     for variant in config.variants:
-        examples = build_examples(rows, VARIANTS[variant][0])
+        examples = build_examples(rows, VARIANTS[variant][0],
+                                  nested_targets=bool(config.node_loss))
         torch.manual_seed(0)
         try:
             model = build_model(variant, **config.model_spec()).to(config.device)
         except ImportError as error:
             out.append({"model": variant, "skipped": str(error)})
             continue
+        trained = NestedValueLoss(model, config.node_loss) if config.node_loss else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         with _PeakMemory(config.device) as memory:
             t0 = time.perf_counter()
@@ -567,7 +779,8 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
                 batch = Batch.from_data_list(
                     examples[s * config.batch_size:(s + 1) * config.batch_size]).to(
                     config.device)
-                loss = F.cross_entropy(model(batch), batch.y.view(-1))
+                _, _, loss, extra = _forward(trained, batch, F.cross_entropy)
+                loss = (loss if extra is None else loss + extra).mean()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -579,10 +792,9 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
     return out
 
 
-def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
-                        device: str = "cpu") -> Dict[str, Any]:
-    """Accuracy of the model saved by :func:`run_listops` at ``checkpoint`` on the
-    LRA-format file ``data`` (:func:`~hsa_graph.datasets.listops.read_listops_tsv`)."""
+def load_model(checkpoint: Union[str, os.PathLike]) -> Tuple[str, Dict[str, Any], Module]:
+    """The variant, model settings and model (with its weights) of a checkpoint saved
+    by :func:`run_listops`."""
     state = load_checkpoint(checkpoint)
     variant, spec = state.get("variant"), state.get("spec")
     if variant not in VARIANTS or not isinstance(spec, dict):
@@ -590,19 +802,52 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
                          f"settings)")
     model = build_model(variant, **spec)
     model.load_state_dict(state["model"])
+    return variant, spec, model
+
+
+def _initial_model(config: ListOpsConfig, variant: str, seed: int) -> Module:
+    """A fresh model of ``variant``, or with ``config.init_from`` the weights of that
+    run's checkpoint of the same variant and seed (its settings must be this run's)."""
+    if config.init_from is None:
+        return build_model(variant, **config.model_spec())
+    path = Path(config.init_from) / "checkpoints" / f"{variant}_seed{seed}.pt"
+    if not path.is_file():
+        raise ValueError(f"init_from: no checkpoint of {variant}, seed {seed} at {path}")
+    _, spec, model = load_model(path)
+    ours = config.model_spec()
+    differ = sorted(k for k in ours.keys() | spec.keys() if k != "max_length"
+                    and ours.get(k) != spec.get(k))
+    if differ:
+        raise ValueError(f"init_from: {path} was trained with other model settings: " +
+                         ", ".join(f"{k}={spec.get(k)!r} (here {ours.get(k)!r})"
+                                   for k in differ))
+    return model
+
+
+def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
+                        device: str = "cpu", nested: bool = False) -> Dict[str, Any]:
+    """Accuracy of the model saved by :func:`run_listops` at ``checkpoint`` on the
+    LRA-format file ``data`` (:func:`~hsa_graph.datasets.listops.read_listops_tsv`);
+    with ``nested``, also ``"nested"``: :func:`nested_accuracy` there (meaningful for
+    models trained with ``node_loss``)."""
+    variant, _, model = load_model(checkpoint)
     rows = read_listops_tsv(data)
     if not rows:
         raise ValueError(f"{data} holds no examples")
-    examples = build_examples(rows, VARIANTS[variant][0], where=str(data))
+    examples = build_examples(rows, VARIANTS[variant][0], where=str(data),
+                              nested_targets=nested)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device)
-    return {"variant": variant, "data": str(data), **metrics}
+    out = {"variant": variant, "data": str(data), **metrics}
+    if nested:
+        out["nested"] = nested_accuracy(model, examples, batch_size=batch_size, device=device)
+    return out
 
 
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
             "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
             "batch_size", "lr", "channels", "heads", "layers", "layer", "pos_dim", "dropout",
-            "pool", "device", "output_dir")
+            "pool", "node_loss", "init_from", "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -635,6 +880,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"{d.pool})")
     parser.add_argument("--include-self", action="store_true",
                         help="each token also attends to itself")
+    parser.add_argument("--node-loss", type=float, default=None,
+                        help="weight of a loss on every nested operator's value (its span "
+                        "read out like the root; not LRA's protocol; default "
+                        f"{d.node_loss})")
+    parser.add_argument("--init-from", default=None, help="an earlier run's --out: start "
+                        "each variant and seed from its checkpoint there (a curriculum)")
     parser.add_argument("--data-dir", default=None, help="read basic_{train,val,test}.tsv "
                         "(LRA's format) from here instead of generating")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
@@ -646,6 +897,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "steps per model and extrapolate to one epoch")
     parser.add_argument("--checkpoint", default=None, help="evaluate: a checkpoint of a run")
     parser.add_argument("--data", default=None, help="evaluate: an LRA-format TSV file")
+    parser.add_argument("--nested", action="store_true", help="evaluate: also the read-out's "
+                        "accuracy on every nested operator, by operator and height")
     parser.add_argument("--parens", action="store_true",
                         help="generate: write LRA's curried form with round brackets")
     parser.add_argument("--no-progress", action="store_true", help="no progress output")
@@ -682,9 +935,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if action == "evaluate":
         if not args.checkpoint or not args.data:
             raise ValueError("evaluate needs --checkpoint PATH and --data FILE.tsv")
-        out = evaluate_checkpoint(args.checkpoint, args.data, device=args.device or "cpu")
+        out = evaluate_checkpoint(args.checkpoint, args.data, device=args.device or "cpu",
+                                  nested=args.nested)
         print(f"{out['variant']} on {out['data']}: accuracy {out['accuracy']:.4f} "
               f"({out['n']} examples)")
+        if args.nested:
+            print("nested operators (operator/height: accuracy, count): " + ", ".join(
+                f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in out["nested"].items()))
         return out
     config = config_from_args(args)
     if action == "generate":

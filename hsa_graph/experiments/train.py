@@ -69,6 +69,7 @@ from .._hashing import file_sha256
 __all__ = [
     "CHECKPOINT_FORMAT",
     "SELECT_METRICS",
+    "ClassifierOutput",
     "TrainConfig",
     "evaluate",
     "fit",
@@ -296,10 +297,35 @@ def _labels(batch: Any, num_graphs: int) -> Tensor:
     return y.reshape(-1).long()
 
 
-def _forward(model: Module, batch: Any, loss_fn: Callable) -> Tuple[Tensor, Tensor, Tensor]:
+@dataclass
+class ClassifierOutput:
+    r"""What a model may return to :func:`fit` instead of bare logits: the logits and
+    a training term of each graph, added to that graph's loss in training steps (so
+    it is averaged with the same weights as the loss) and left out of evaluation.
+
+    Args:
+        logits: ``[num_graphs, C]``.
+        extra_loss: ``[num_graphs]``, e.g. a weighted loss on the graph's internal
+            nodes (``None``: none).
+    """
+
+    logits: Tensor
+    extra_loss: Optional[Tensor] = None
+
+
+def _forward(model: Module, batch: Any, loss_fn: Callable
+             ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Logits, labels, the loss of each graph and the model's extra loss of each graph
+    (``None`` unless the model returns a :class:`ClassifierOutput` with one)."""
     num_graphs = int(batch.num_graphs)
     y = _labels(batch, num_graphs)
-    logits = model(batch)
+    logits, extra = model(batch), None
+    if isinstance(logits, ClassifierOutput):
+        logits, extra = logits.logits, logits.extra_loss
+        if extra is not None and (not isinstance(extra, Tensor) or extra.shape != (num_graphs,)):
+            shape = tuple(extra.shape) if isinstance(extra, Tensor) else type(extra).__name__
+            raise ValueError(f"ClassifierOutput.extra_loss must have shape [num_graphs="
+                             f"{num_graphs}], got {shape}")
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.shape[0] != num_graphs:
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         raise ValueError(f"model(batch) must return logits [num_graphs={num_graphs}, C], "
@@ -311,7 +337,7 @@ def _forward(model: Module, batch: Any, loss_fn: Callable) -> Tuple[Tensor, Tens
     if not isinstance(loss, Tensor) or loss.shape != (num_graphs,):
         raise ValueError("loss_fn(logits, y, reduction='none') must return one loss per "
                          "graph")
-    return logits, y, loss
+    return logits, y, loss, extra
 
 
 # ------------------------------------------------------------------ metrics
@@ -338,7 +364,7 @@ def _evaluate(model: Module, data: Sequence, batch_size: int, device: torch.devi
     try:
         for batch, weight, _ in _Shard(data, batch_size, collate, shuffle=False, seed=0):
             batch, weight = _to(batch, device), weight.to(device)
-            logits, y, loss = _forward(model, batch, loss_fn)
+            logits, y, loss, _ = _forward(model, batch, loss_fn)
             if confusion is None:
                 confusion = torch.zeros(logits.shape[1], logits.shape[1], dtype=torch.float64,
                                         device=device)
@@ -620,7 +646,9 @@ def _train_epoch(net: Module, model: Module, optimizer: torch.optim.Optimizer, s
     start = time.perf_counter()
     for batch, weight, real in _progress(shard, show, desc=desc, leave=False):
         batch, weight = _to(batch, device), weight.to(device)
-        _, _, loss = _forward(net, batch, loss_fn)
+        _, _, loss, extra = _forward(net, batch, loss_fn)
+        if extra is not None:
+            loss = loss + extra.to(loss.dtype)
         weighted = (loss * weight.to(loss.dtype)).sum()
         optimizer.zero_grad(set_to_none=True)
         # DDP averages gradients over ranks: scale by W so the update follows the mean
@@ -652,7 +680,9 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
     weights are broadcast, and all ranks end with the same weights.
 
     Args:
-        model: ``model(batch) -> logits [num_graphs, C]``; moved to ``config.device``.
+        model: ``model(batch) -> logits [num_graphs, C]`` (or a
+            :class:`ClassifierOutput`: its ``extra_loss`` joins each graph's training
+            loss); moved to ``config.device``.
         train: sequence (list or torch ``Dataset``) of PyG ``Data`` /
             :class:`~hsa_graph.NestedSignal` objects with a label ``y`` (``[1]`` long).
         val: the validation examples, same form.
@@ -664,11 +694,12 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
 
     Returns:
         ``{"history": [...], "best_epoch": int, "best": {...}}``: one dict per epoch
-        with ``epoch`` (1-based), ``train_loss`` (mean over the epoch's examples),
-        ``val_accuracy``, ``val_f1`` (macro), ``val_loss`` and ``seconds`` (wall time of
-        the epoch's training pass, the slowest rank's); ``best_epoch`` (1-based, ``0``
-        if ``epochs == 0``) and ``best``, the validation metrics of :func:`evaluate` at
-        that epoch. The model ends holding the weights of ``best_epoch``.
+        with ``epoch`` (1-based), ``train_loss`` (mean over the epoch's examples, extra
+        loss included), ``val_accuracy``, ``val_f1`` (macro), ``val_loss`` and
+        ``seconds`` (wall time of the epoch's training pass, the slowest rank's);
+        ``best_epoch`` (1-based, ``0`` if ``epochs == 0``) and ``best``, the validation
+        metrics of :func:`evaluate` at that epoch. The model ends holding the weights
+        of ``best_epoch``.
 
     Example:
         >>> import hsa_graph

@@ -155,7 +155,12 @@ class TreeClassifier(Module):
             if not isinstance(x, Tensor):
                 raise TypeError(f"model(tree) needs a NestedSignal or Batch with leaf "
                                 f"features x, got {type(tree).__name__} with x={type(x).__name__}")
-        return self.mlp(self.embed(x, tree))
+        return self.read_out(self.encode(x, tree), tree)
+
+    def read_out(self, leaf_outputs: Tensor, tree) -> Tensor:
+        """Logits ``[num_trees, K]`` from the encoder's leaf outputs ``[N, C]``
+        (:meth:`encode`): the pooling, then the MLP."""
+        return self.mlp(global_leaf_pool(leaf_outputs, tree, self.pool))
 
     def attention_flops(self, tree) -> int:
         """FLOPs of this model's attention on ``tree`` (see :func:`attention_flops`).

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from hsa_graph.cli import main
-from hsa_graph.datasets.listops import generate_listops, read_listops_tsv, write_listops_tsv
+from hsa_graph.datasets.listops import (
+    evaluate_listops,
+    generate_listops,
+    read_listops_tsv,
+    write_listops_tsv,
+)
 from hsa_graph.experiments.listops import (
     QUICK,
     VARIANTS,
@@ -213,3 +218,213 @@ def test_the_experiments_package_exports_the_listops_entry_points():
         assert getattr(experiments, name) is getattr(listops, name), name
     # the command-line hooks stay with their module: every experiment module has a `run`
     assert not {"run", "add_arguments", "VARIANTS"} & set(experiments.__all__)
+
+
+# ------------------------------------------------------------------ nested values' loss
+def _spans(tree, expression, keep_close):
+    """Each nested operator's span as its tokens, read back through the leaves."""
+    words = [w for w in expression.split() if keep_close or w != "]"]
+    row = {int(n): i for i, n in enumerate(tree.leaf_index)}
+    spans = {}
+    for leaf, owner in zip(tree.nested_leaf_index.tolist(),
+                           tree.nested_owner_index.tolist()):
+        spans.setdefault(owner, []).append(words[row[leaf]])
+    return [" ".join(spans[a]) for a in tree.nested_index.tolist()]
+
+
+@pytest.mark.parametrize("structure", ["parse", "parse_brackets", "windows"])
+def test_nested_targets_are_each_nested_operator_s_span_and_value(structure):
+    keep = structure != "parse"
+    rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MIN 5 [SM 3 4 ] ]", 5),
+            ("[MAX 1 2 ]", 2), ("7", 7)]
+    trees = build_examples(rows, structure, nested_targets=True)
+    close = " ]" if keep else ""
+    assert _spans(trees[0], rows[0][0], keep) == [
+        f"[MAX 2 9 [MIN 4 7{close}{close}", f"[MIN 4 7{close}", f"[MED 1 2 3{close}"]
+    assert trees[0].nested_y.tolist() == [9, 4, 2]
+    assert _spans(trees[1], rows[1][0], keep) == [f"[SM 3 4{close}"]
+    assert trees[1].nested_y.tolist() == [7]
+    for tree in trees[2:]:                          # no nested operator
+        assert tree.nested_index.numel() == tree.nested_leaf_index.numel() == 0
+    assert not hasattr(build_examples(rows[:1], structure)[0], "nested_index")
+
+
+def test_on_the_parse_tree_a_span_is_the_operator_s_subtree():
+    from torch_geometric.data import Batch
+
+    from hsa_graph.nn import subtree_pool
+
+    rows = generate_listops(6, seed=3, max_depth=4, max_args=4, min_length=10,
+                            max_length=40)
+    batch = Batch.from_data_list(build_examples(rows, "parse", nested_targets=True))
+    leaf_rows = torch.randn(batch.num_leaves, 3, dtype=torch.float64)
+    # the internal node just before each operator token is its operator's node
+    subtree = subtree_pool(leaf_rows, batch, batch.nested_index - 1)
+    structure = batch.structure
+    owner = batch.nested_owner_index
+    sums = torch.zeros(batch.num_nodes, 3, dtype=torch.float64).index_add_(
+        0, owner, leaf_rows[structure.unified_of_node[batch.nested_leaf_index]])
+    span = sums[batch.nested_index] / torch.bincount(owner, minlength=batch.num_nodes)[
+        batch.nested_index, None]
+    assert batch.nested_index.numel() > 6
+    torch.testing.assert_close(span, subtree, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant,pool", [("hsa-tree", "mean"), ("fsa", "mean"),
+                                          ("hsa-tree-brackets", "first")])
+def test_nested_value_loss_is_the_read_out_on_each_span(variant, pool):
+    import torch.nn.functional as F
+    from torch_geometric.data import Batch
+
+    from hsa_graph.experiments import ClassifierOutput
+    from hsa_graph.experiments.listops import NestedValueLoss
+
+    rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MAX 1 2 ]", 2),
+            ("[MIN 5 [SM 3 4 ] ]", 5)]
+    structure = VARIANTS[variant][0]
+    batch = Batch.from_data_list(build_examples(rows, structure, nested_targets=True))
+    torch.manual_seed(0)
+    model = build_model(variant, channels=16, heads=2, layers=2, hidden_channels=16,
+                        layer="pre_norm", pool=pool).double()
+    out = NestedValueLoss(model, 0.5)(batch)
+    assert isinstance(out, ClassifierOutput)
+    torch.testing.assert_close(out.logits, model(batch))
+    # independently: each tree's token outputs, its nested operators found by a
+    # bracket matcher, each span read out by hand against its evaluated value
+    keep = structure != "parse"
+    expected = []
+    for tree, (expr, _) in zip(batch.to_data_list(), rows):
+        h = model.encode(Batch.from_data_list([tree]))
+        words = expr.split()
+        leaf_of = {t: j for j, t in enumerate(i for i, w in enumerate(words)
+                                               if keep or w != "]")}
+        opens, spans = [], []
+        for t, w in enumerate(words):
+            if w.startswith("["):
+                opens.append(t)
+            elif w == "]":
+                start = opens.pop()
+                if opens:                                 # inside another operator
+                    spans.append((start, t))
+        losses = []
+        for start, end in sorted(spans):
+            inside = [leaf_of[u] for u in range(start, end + 1) if u in leaf_of]
+            z = h[inside[0]] if pool == "first" else h[inside].mean(0)
+            value = evaluate_listops(" ".join(words[start:end + 1]))
+            losses.append(F.cross_entropy(model.classifier.mlp(z)[None],
+                                          torch.tensor([value])))
+        expected.append(0.5 * torch.stack(losses).mean() if losses else h.new_zeros(()))
+    torch.testing.assert_close(out.extra_loss, torch.stack(expected))
+    # validation and test batches carry no targets: plain logits
+    plain = Batch.from_data_list(build_examples(rows, structure))
+    torch.testing.assert_close(NestedValueLoss(model)(plain), model(plain))
+
+
+def test_node_loss_trains_and_leaves_the_evaluation_to_the_root_label(tmp_path, capsys):
+    config = dict(TINY, seeds=1, epochs=1)
+    plain = run_listops(ListOpsConfig(variants=("hsa-tree",), **config))
+    with_loss = run_listops(ListOpsConfig(variants=("hsa-tree", "fsa"), node_loss=1.0,
+                                          output_dir=str(tmp_path), **config))
+    first, second = plain["runs"][0], with_loss["runs"][0]
+    # the same data and initial weights; the extra term raises the training loss
+    assert second["history"][0]["train_loss"] > first["history"][0]["train_loss"]
+    assert with_loss["config"]["node_loss"] == 1.0
+    assert "nested_breakdown" not in first
+    assert second["nested_breakdown"]["all"]["n"] > 0 and "acc_nested" in with_loss["summary"][0]
+    # the saved model is the classifier itself: it evaluates to the reported accuracy
+    test = generate_listops_test_file(tmp_path, with_loss)
+    out = evaluate_checkpoint(second["checkpoint"], str(test), nested=True)
+    assert out["accuracy"] == pytest.approx(second["test_accuracy"])
+    assert out["nested"].keys() == second["nested_breakdown"].keys()
+    for key, value in second["nested_breakdown"].items():
+        assert out["nested"][key] == pytest.approx(value), key
+    capsys.readouterr()
+    assert main(["listops", "evaluate", "--checkpoint", second["checkpoint"], "--data",
+                 str(test), "--nested"]) == 0
+    nested = second["nested_breakdown"]["all"]
+    assert f"all {nested['accuracy']:.3f} ({nested['n']})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"node_loss": -1.0}, "node_loss must be a finite number >= 0"),
+    ({"node_loss": float("nan")}, "node_loss must be a finite number >= 0"),
+    ({"node_loss": True}, "node_loss must be a finite number >= 0"),
+    ({"node_loss": 1.0, "variants": ("h-transformer-1d",)}, "h-transformer-1d"),
+])
+def test_bad_node_loss(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ListOpsConfig(**kwargs).validate()
+
+
+def test_nested_value_loss_refuses_other_models_and_weights():
+    from hsa_graph.experiments.listops import NestedValueLoss
+
+    model = build_model("hsa-tree", channels=16, heads=2, layers=1, hidden_channels=16)
+    with pytest.raises(TypeError, match="wraps a ListOpsClassifier"):
+        NestedValueLoss(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0"):
+        NestedValueLoss(model, float("inf"))
+    assert repr(NestedValueLoss(model, 0.5)) == "NestedValueLoss(weight=0.5)"
+
+
+def test_cli_node_loss_reaches_the_config():
+    import argparse
+
+    from hsa_graph.experiments.listops import add_arguments, config_from_args
+
+    parser = add_arguments(argparse.ArgumentParser())
+    assert config_from_args(parser.parse_args(["--quick", "--node-loss", "0.5"])).node_loss \
+        == 0.5
+    assert config_from_args(parser.parse_args(["--quick"])).node_loss == 0.0
+
+
+def test_init_from_starts_each_run_from_the_earlier_run_s_checkpoint(tiny_run, tmp_path):
+    from hsa_graph.experiments.listops import _initial_model, load_model
+
+    out, result = tiny_run
+    config = ListOpsConfig(variants=("hsa-tree", "fsa"), init_from=str(out), **TINY)
+    for variant in ("hsa-tree", "fsa"):
+        for seed in (0, 1):
+            model = _initial_model(config, variant, seed)
+            saved = load_model(out / "checkpoints" / f"{variant}_seed{seed}.pt")[2]
+            for (name, a), (_, b) in zip(model.state_dict().items(),
+                                         saved.state_dict().items()):
+                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
+    # a curriculum step: deeper data, the same models
+    deeper = run_listops(ListOpsConfig(**{**TINY, "variants": ("hsa-tree",), "seeds": 1,
+                                          "epochs": 1, "max_depth": 4, "max_length": 30,
+                                          "init_from": str(out)}))
+    assert deeper["config"]["init_from"] == str(out) and len(deeper["runs"]) == 1
+    with pytest.raises(ValueError, match="no checkpoint of hsa-windows, seed 0"):
+        _initial_model(ListOpsConfig(init_from=str(out), **TINY), "hsa-windows", 0)
+    with pytest.raises(ValueError, match=r"other model settings: channels=16 \(here 32\)"):
+        _initial_model(ListOpsConfig(init_from=str(out), **{**TINY, "channels": 32}),
+                       "hsa-tree", 0)
+    with pytest.raises(ValueError, match="init_from: no checkpoint"):
+        _initial_model(ListOpsConfig(init_from=str(tmp_path), **TINY), "hsa-tree", 0)
+
+
+def test_nested_accuracy_by_operator_and_height():
+    from hsa_graph.experiments.listops import nested_accuracy
+
+    rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MIN 5 [SM 3 4 ] ]", 5),
+            ("[MAX 1 2 ]", 2)]
+    examples = build_examples(rows, "parse", nested_targets=True)
+    assert [t.nested_height.tolist() for t in examples] == [[2, 1, 1], [1], []]
+    torch.manual_seed(0)
+    model = build_model("hsa-tree", channels=16, heads=2, layers=1, hidden_channels=16)
+    out = nested_accuracy(model, examples, batch_size=2)
+    assert list(out) == ["all", "MAX/2", "MIN/1", "MED/1", "SM/1"]
+    assert [out[k]["n"] for k in out] == [4, 1, 1, 1, 1]
+    # against the read-out's predictions, computed once for the whole batch
+    from torch_geometric.data import Batch
+
+    batch = Batch.from_data_list(examples)
+    with torch.no_grad():
+        hit = (model.read_out_nested(model.encode(batch), batch).argmax(-1)
+               == batch.nested_y).float()
+    assert out["all"]["accuracy"] == pytest.approx(float(hit.mean()))
+    assert [out[k]["accuracy"] for k in ("MAX/2", "MIN/1", "MED/1", "SM/1")] == \
+        hit[[0, 1, 2, 3]].tolist()
+    with pytest.raises(ValueError, match="nested_targets=True"):
+        nested_accuracy(model, build_examples(rows, "parse"))

@@ -64,27 +64,3 @@ def test_write_probes_writes_three_disjoint_lra_splits(probes, tmp_path, monkeyp
         assert [len(splits[s]) for s in ("train", "val", "test")] == [40, 5, 10]
         expressions = [e for rows in splits.values() for e, _ in rows]
         assert len(set(expressions)) == 55
-
-
-@pytest.fixture(scope="module")
-def supervision():
-    with example_module("listops_node_supervision.py") as module:
-        yield module
-
-
-def test_node_supervision_reads_every_nested_operator_s_subtree(supervision):
-    import torch
-    from torch_geometric.data import Batch
-
-    from hsa_graph.nn import subtree_pool
-
-    first = supervision.supervised_tree("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]")
-    second = supervision.supervised_tree("[MIN 5 [SM 3 4 ] ]")
-    # nested operators MAX, MIN, MED (the root SM is the task's label) and SM
-    assert first.operator_y.tolist() == [9, 4, 2] and second.operator_y.tolist() == [7]
-    batch = Batch.from_data_list([first, second])
-    rows = torch.arange(batch.x.numel(), dtype=torch.float64)[:, None]
-    # leaf rows under MAX: 1..6, MIN: 4..6, MED: 8..11, then SM of the second tree 14..16
-    assert subtree_pool(rows, batch, batch.operator_index).flatten().tolist() == \
-        [3.5, 5.0, 9.5, 15.0]
-    assert supervision.supervised_tree("[MAX 1 2 ]").operator_index.numel() == 0

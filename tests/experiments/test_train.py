@@ -351,3 +351,63 @@ def test_hand_edited_checkpoint_without_digest_is_refused(data, tmp_path, edit, 
     with pytest.raises(ValueError, match=f"cannot resume from .*{match}"):
         fit(make_model(), train, val,
             TrainConfig(epochs=3, batch_size=8, resume=True, checkpoint_dir=tmp_path))
+
+
+def test_fit_adds_a_classifier_output_s_extra_loss_in_training_only(data):
+    """A model returning ClassifierOutput trains on loss + extra_loss per graph (the
+    same weights as a hand-written loop), and validation ignores the extra term."""
+    from torch_geometric.data import Batch
+
+    from hsa_graph.experiments import ClassifierOutput
+
+    class WithExtra(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            logits = self.inner(batch)
+            # a per-graph term that depends on the parameters: the squared logits
+            return ClassifierOutput(logits, 0.1 * logits.square().sum(-1))
+
+    train, val = data
+    config = TrainConfig(epochs=1, batch_size=8, lr=3e-3, weight_decay=0.0, seed=2,
+                         grad_clip=None)
+    model = WithExtra(make_model())
+    reference = copy.deepcopy(model.inner)
+    result = fit(model, train, val, config)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.0)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(2)).tolist()
+    total = 0.0
+    for start in range(0, len(train), 8):
+        batch = Batch.from_data_list([train[i] for i in order[start:start + 8]])
+        logits = reference(batch)
+        loss = (F.cross_entropy(logits, batch.y, reduction="none")
+                + 0.1 * logits.square().sum(-1)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total += loss.item() * batch.num_graphs
+    assert result["history"][0]["train_loss"] == pytest.approx(total / len(train), rel=1e-9)
+    assert_same_weights(model.inner, reference)
+    # validation: the loss of the logits alone
+    plain = evaluate(model.inner, val)
+    assert result["best"]["loss"] == pytest.approx(plain["loss"], rel=1e-12)
+    assert evaluate(model, val) == pytest.approx(plain)
+
+
+def test_a_classifier_output_with_a_bad_extra_loss_is_refused(data):
+    from hsa_graph.experiments import ClassifierOutput
+
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model()
+
+        def forward(self, batch):
+            logits = self.inner(batch)
+            return ClassifierOutput(logits, logits.sum())        # a scalar, not per graph
+
+    train, val = data
+    with pytest.raises(ValueError, match=r"extra_loss must have shape \[num_graphs=8\]"):
+        fit(Bad(), train, val, TrainConfig(epochs=1, batch_size=8))
