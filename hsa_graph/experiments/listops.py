@@ -44,6 +44,12 @@ argument is not what blocks it.
 every run reports test accuracy by root operator and by nesting depth
 (:func:`accuracy_breakdown`).
 
+**Levers beyond LRA's protocol.** ``node_loss`` also trains the read-out on every
+nested operator's span against its value (:class:`NestedValueLoss`, the values taken
+from the expression) and reports that read-out's test accuracy by operator and height
+(:func:`nested_accuracy`); ``init_from`` starts every run from an earlier run's
+checkpoints, so shallow data first and deeper data next is a curriculum.
+
 **Protocol.** The test split is fixed (drawn with ``data_seed``); for each of ``seeds``
 seeds every model is initialised from the seed, trained with
 :func:`~hsa_graph.experiments.fit` (the epoch with the best validation accuracy is
@@ -55,7 +61,8 @@ before the run, sampled every 10 ms), parameters, validation accuracy per epoch 
 Command line (``hsa-graph listops``): ``--quick`` runs a short version (shallower,
 shorter expressions, fewer examples, 3 seeds) in minutes on 2 CPU cores; without it,
 LRA's settings. ``hsa-graph listops evaluate --checkpoint PATH --data FILE.tsv``
-scores a saved model on any LRA-format file; ``hsa-graph listops generate --out DIR``
+scores a saved model on any LRA-format file (``--nested``: also its nested operators'
+read-out); ``hsa-graph listops generate --out DIR``
 writes the regenerated splits.
 """
 from __future__ import annotations
