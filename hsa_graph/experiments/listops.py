@@ -82,6 +82,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Dropout, Embedding, Linear, Module, ModuleList, Sequential
 from torch_geometric.nn.resolver import activation_resolver
+from torch_geometric.utils import scatter
 
 from ..datasets.listops import (
     CLOSE,
@@ -197,14 +198,17 @@ class ListOpsClassifier(Module):
         nested = batch.nested_index
         if self.classifier.pool == "first":  # the span's first token: the operator
             pooled = token_outputs[structure.unified_of_node[nested]]
-        else:
-            owner = batch.nested_owner_index
-            sums = token_outputs.new_zeros(structure.num_nodes, token_outputs.shape[1])
-            sums.index_add_(0, owner, token_outputs[
-                structure.unified_of_node[batch.nested_leaf_index]])
-            size = torch.bincount(owner, minlength=structure.num_nodes)
-            pooled = sums[nested] / size[nested, None].to(token_outputs.dtype)
+        else:  # the mean over each span's (leaf, owner) pairs, indexed by owner node
+            pooled = scatter(token_outputs[structure.unified_of_node[batch.nested_leaf_index]],
+                             batch.nested_owner_index, 0, dim_size=structure.num_nodes,
+                             reduce="mean")[nested]
         return self.classifier.mlp(pooled)
+
+
+def _check_loss_weight(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value >= 0 and np.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 class NestedValueLoss(Module):
@@ -242,9 +246,7 @@ class NestedValueLoss(Module):
         if not isinstance(model, ListOpsClassifier):
             raise TypeError(f"NestedValueLoss wraps a ListOpsClassifier, got "
                             f"{type(model).__name__}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-                weight >= 0 and np.isfinite(weight)):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        _check_loss_weight("weight", weight)
         self.model = model
         self.weight = float(weight)
 
@@ -257,11 +259,10 @@ class NestedValueLoss(Module):
             return logits
         loss = F.cross_entropy(self.model.read_out_nested(h, batch), batch.nested_y,
                                reduction="none")
-        graph = batch.batch[batch.nested_index]
-        num_graphs = int(batch.num_graphs)
-        per_graph = loss.new_zeros(num_graphs).index_add_(0, graph, loss)
-        count = torch.bincount(graph, minlength=num_graphs).clamp_min(1)
-        return ClassifierOutput(logits, self.weight * per_graph / count.to(loss.dtype))
+        # the mean over each graph's nested operators (0 for a graph without any)
+        per_graph = scatter(loss, batch.batch[batch.nested_index], 0,
+                            dim_size=int(batch.num_graphs), reduce="mean")
+        return ClassifierOutput(logits, self.weight * per_graph)
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(weight={self.weight})"
@@ -494,9 +495,7 @@ class ListOpsConfig:
             raise ValueError(f"layer must be one of {LAYERS}, got {self.layer!r}")
         if self.pool not in ("mean", "first"):
             raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
-        if isinstance(self.node_loss, bool) or not isinstance(self.node_loss, (int, float)) \
-                or not (self.node_loss >= 0 and np.isfinite(self.node_loss)):
-            raise ValueError(f"node_loss must be a finite number >= 0, got {self.node_loss!r}")
+        _check_loss_weight("node_loss", self.node_loss)
         if self.node_loss and "h-transformer-1d" in self.variants:
             raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
                              "the h-transformer-1d variant does not support it")
@@ -686,7 +685,7 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
             if config.progress:
                 print(f"[{variant} / seed {seed}] {len(sets['train'])} train, "
                       f"{len(sets['val'])} val, {len(sets['test'])} test", flush=True)
-            trained = NestedValueLoss(model, config.node_loss) if config.node_loss else model
+            trained = _trained_module(model, config)
             with _PeakMemory(config.device) as memory:
                 result = fit(trained, sets["train"], sets["val"], TrainConfig(
                     epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
@@ -778,7 +777,7 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
         except ImportError as error:
             out.append({"model": variant, "skipped": str(error)})
             continue
-        trained = NestedValueLoss(model, config.node_loss) if config.node_loss else model
+        trained = _trained_module(model, config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         with _PeakMemory(config.device) as memory:
             t0 = time.perf_counter()
@@ -810,6 +809,12 @@ def load_model(checkpoint: Union[str, os.PathLike]) -> Tuple[str, Dict[str, Any]
     model = build_model(variant, **spec)
     model.load_state_dict(state["model"])
     return variant, spec, model
+
+
+def _trained_module(model: Module, config: ListOpsConfig) -> Module:
+    """What training calls: ``model``, or with ``config.node_loss`` its
+    :class:`NestedValueLoss` wrapper."""
+    return NestedValueLoss(model, config.node_loss) if config.node_loss else model
 
 
 def _initial_model(config: ListOpsConfig, variant: str, seed: int) -> Module:
