@@ -24,6 +24,7 @@ families of many sizes would pay dozens of times per call.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from itertools import groupby
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -255,6 +256,13 @@ class CausalTiles:
         slots_are_members: every tile is one family whose slots are its members, all
             leaves (the deepest level of a tree whose leaf families are contiguous):
             then :math:`S_i` is the member ``p`` itself.
+        family_parent: ``[F]`` the unified id of each family's parent :math:`A`.
+        member_lam: ``[F, b]`` the unified id whose :math:`\lambda` each member has:
+            the member itself, or for an only child's chain (a node with one child
+            has the :math:`\lambda` of that child) the chain's last node, a leaf or a
+            node with two or more children (``M`` on padding). Such a node's family
+            sits at a greater depth, so its :math:`\lambda` is known when this depth
+            runs.
     """
 
     size: int
@@ -274,6 +282,8 @@ class CausalTiles:
     rows: Optional[Tuple[int, int]]
     member_rows: Optional[Tuple[int, int]]
     slots_are_members: bool
+    family_parent: Tensor
+    member_lam: Tensor
 
     @property
     def num_tiles(self) -> int:
@@ -1314,6 +1324,7 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     child, par = child[order], par[order]
     fam_ids, fam_of_member, fam_count = torch.unique_consecutive(
         par, return_inverse=True, return_counts=True)
+    lam_source = _only_child_chains(parent_u, st.max_depth)
     pos = torch.arange(child.numel(), device=dev) - (fam_count.cumsum(0) - fam_count)[fam_of_member]
     fam_first, fam_leaves = first[fam_ids], last[fam_ids] - first[fam_ids] + 1
     fam_size = _causal_widths(st.depth[fam_ids], _padded_size(fam_count), fam_leaves)
@@ -1360,7 +1371,8 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
         members[fam_local[fam_of_member[mine]] * b + pos[mine]] = child[mine]
         group, real = _tile_group(members.view(num_fam, b), first, last, fam_first[fams],
                                   last[fam_ids[fams]], fam_tiles[fams], t, num_tiles,
-                                  (lo, lo + leaves) if ordered else None)
+                                  (lo, lo + leaves) if ordered else None, fam_ids[fams],
+                                  lam_source)
         by_depth.setdefault(depth, []).append((group, real.flatten(), leaves))
 
     levels = [_causal_level(depth, by_depth[depth], n, dev)
@@ -1370,10 +1382,12 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
 
 def _tile_group(members: Tensor, first: Tensor, last: Tensor, fam_first: Tensor,
                 fam_last: Tensor, fam_tiles: Tensor, t: int, num_tiles: int,
-                rows: Optional[Tuple[int, int]]) -> Tuple[CausalTiles, Tensor]:
+                rows: Optional[Tuple[int, int]], fam_parent: Tensor,
+                lam_source: Tensor) -> Tuple[CausalTiles, Tensor]:
     """The :class:`CausalTiles` of one group: families ``members`` ``[F, b]`` (padding
-    ``M``) whose leaf rows ``fam_first .. fam_last`` are cut into ``fam_tiles`` tiles of
-    ``t`` slots each; also ``[R * T]`` which slots hold a real row."""
+    ``M``) of the parents ``fam_parent`` whose leaf rows ``fam_first .. fam_last`` are
+    cut into ``fam_tiles`` tiles of ``t`` slots each (``lam_source``: see
+    :func:`_only_child_chains`); also ``[R * T]`` which slots hold a real row."""
     m, dev = first.numel(), members.device
     num_fam, b = members.shape
     tile_start = fam_tiles.cumsum(0) - fam_tiles                          # per family
@@ -1417,8 +1431,25 @@ def _tile_group(members: Tensor, first: Tensor, last: Tensor, fam_first: Tensor,
         slot_before=torch.where(has_before, before, 0).flatten(),
         slot_has_before=has_before.flatten(), slot_is_real=real.flatten(),
         slot_run=slot_run, rows=rows,
-        member_rows=member_rows, slots_are_members=slots_are_members)
+        member_rows=member_rows, slots_are_members=slots_are_members,
+        family_parent=fam_parent, member_lam=lam_source[members])
     return group, real.flatten()
+
+
+def _only_child_chains(parent_u: Tensor, max_depth: int) -> Tensor:
+    r"""``[M + 1]``: for every unified node the last node of its chain of only
+    children (itself unless it has exactly one child; ``M`` maps to ``M``), by pointer
+    jumping: :math:`\lceil \log_2(\mathrm{depth} + 1) \rceil` gathers, no loop over
+    nodes."""
+    m, dev = parent_u.numel(), parent_u.device
+    child = (parent_u >= 0).nonzero().flatten()
+    par = parent_u[child]
+    only = torch.bincount(par, minlength=m)[par] == 1
+    hop = torch.arange(m + 1, device=dev)
+    hop[par[only]] = child[only]
+    for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
+        hop = hop[hop]
+    return hop
 
 
 def _causal_level(depth: int, entries: List[Tuple[CausalTiles, Tensor, int]], n: int,

@@ -602,6 +602,30 @@ def test_causal_widths_merge_per_depth():
     assert _causal_widths(depth, width, many).tolist() == [2, 3, 2, 3, 16]
 
 
+def test_causal_plan_family_parents_and_lambda_sources():
+    """Each causal group names its families' parents, and every member the node whose
+    lambda it has: itself, or the end of its chain of only children (a leaf, or a node
+    with two or more children)."""
+    # 0 -> (1, 2); 1 -> 3 -> 4 -> (5, 6); 2 -> 7 (a leaf alone); leaves 5, 6, 7, 8
+    parent = [-1, 0, 0, 1, 3, 4, 4, 2, 0]
+    st = TreeStructure.from_parent(torch.tensor(parent))
+    unified = st.unified_of_node
+    seen = {}
+    for level in st.causal_plan.levels:
+        for g in level.groups:
+            for parent_u, members, sources in zip(g.family_parent.tolist(),
+                                                  g.members.tolist(), g.member_lam.tolist()):
+                seen[parent_u] = {m: s for m, s in zip(members, sources)
+                                  if m < st.num_nodes}
+    root, fam_4 = int(unified[0]), int(unified[4])
+    assert set(seen) == {root, fam_4}                   # the families of two or more
+    assert seen[fam_4] == {int(unified[5]): int(unified[5]),
+                           int(unified[6]): int(unified[6])}
+    assert seen[root] == {int(unified[1]): fam_4,       # 1 -> 3 -> 4: 4's lambda
+                          int(unified[2]): int(unified[7]),  # 2 -> 7: the leaf's
+                          int(unified[8]): int(unified[8])}
+
+
 def test_padded_size_grid():
     assert [padded_size(s) for s in (2, 15, 16, 17, 19, 31, 33, 63, 64, 65, 1000)] == [
         2, 15, 16, 18, 20, 32, 36, 64, 64, 72, 1024]

@@ -34,9 +34,10 @@ of a block together through :math:`\lambda`, and causal HSA keeps that coupling.
 
 **Computation** (all queries at once, no loop over nodes). Every node's leaves must be
 a contiguous range in leaf order (checked). For query :math:`i`, nodes fully left of its
-spine (ancestors) are complete: their :math:`\lambda`, means and sibling logits are the
-full-tree ones from :func:`~hsa_graph.ops.hsa.hsa_statistics`. Only the spine is
-partial: one step per depth, vectorised over all queries, computes for the spine node
+spine (ancestors) are complete: their means and sibling logits are the full-tree ones,
+and so is their :math:`\lambda`, which each depth's family scan (below) yields for the
+depth above as its last row, so no separate bottom-up softmax pass runs. Only the spine
+is partial: one step per depth, vectorised over all queries, computes for the spine node
 :math:`A` with spine child :math:`S` at family position :math:`p`
 
 .. math::
@@ -60,13 +61,15 @@ logits ``[T, b]`` within each family (restarted at :math:`S`'s first leaf), neve
 per-query copies of the members. Work :math:`O(N \cdot \mathrm{depth} \cdot b \cdot D)`
 plus :math:`O(M b^2 \log b)` for the family tables. The heads run in chunks whose
 ``[heads, N, b]`` intermediates are a few MiB; without autograd these are updated in
-place and the leaf rows are read where they lie (no head-major copies of ``q, k, v``).
+place, and each chunk's rows of ``q, k, v`` and the subtree means are first copied into
+one contiguous head-major table per tensor, which every depth's products and gathers
+then read from the cache.
 :class:`~hsa_graph.ops.cache.HSACache` takes the same step for one new token
 (:func:`~hsa_graph.ops.cache.spine_step`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -79,7 +82,6 @@ from .hsa import (
     _logaddexp,
     _row_dots,
     flat_attention,
-    hsa_statistics,
 )
 from .inputs import no_autocast, prepare_attention
 
@@ -304,6 +306,10 @@ class NodeTables:
         lam: ``[H, M + 1]`` :math:`\lambda` of every node (padding row last).
         size: ``[M + 1]`` :math:`n(A)`; log_size: its log, ``-inf`` on the padding row.
         pos: ``[H or 1, M + 1, P]`` node positions, or ``None``.
+        unified: ``(q, k, v)`` rows of every unified node, head-major and contiguous
+            ``[H, M + 1, .]`` (:meth:`head_major`), whose slices ``leaf`` and
+            ``internal`` then are; gathers read them. ``None``: gathers read the
+            token-major rows.
     """
 
     leaf: Tuple[Tensor, Tensor, Tensor]
@@ -314,7 +320,8 @@ class NodeTables:
     size: Tensor
     log_size: Tensor
     pos: Optional[Tensor]
-    _unified: Optional[List[Tensor]] = None
+    unified: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+    _unified_rows: Optional[List[Tensor]] = None
 
     def level_inputs(self, level, recording: bool) -> List[GroupInputs]:
         """The leaf rows at the slots and the member tables of every group of
@@ -331,30 +338,30 @@ class NodeTables:
 
         groups = level.groups
         slots: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(groups)
-        gather = [i for i, g in enumerate(groups) if not sliced(g.rows, 0, n)]
+        # a group whose slots are its members reads the member tables only
+        gather = [i for i, g in enumerate(groups)
+                  if not (g.slots_are_members or sliced(g.rows, 0, n))]
         if gather:
             index = torch.cat([groups[i].slot_row for i in gather])
             sizes = [groups[i].slot_row.numel() for i in gather]
-            parts = [torch.split(t.index_select(0, index), sizes) for t in self.leaf_rows[:2]]
+            parts = [self._gather(index, sizes, j) for j in range(2)]
             for i, q_part, k_part in zip(gather, *parts):
-                slots[i] = (q_part.transpose(0, 1), k_part.transpose(0, 1))
+                slots[i] = (q_part, k_part)
         members: List[Optional[Tuple[Tensor, ...]]] = [None] * len(groups)
         m = n + self.internal[0].shape[1]
         gather = [i for i, g in enumerate(groups) if not (
             sliced(g.member_rows, 0, n) or sliced(g.member_rows, n, m, small=True))]
         if gather:
-            if self._unified is None:   # token-major [M + 1, H, .], once per call
-                self._unified = [torch.cat([a, c])
-                                 for a, c in zip(self.leaf_rows, self.internal_rows)]
-            unified = self._unified
             index = torch.cat([groups[i].members.flatten() for i in gather])
             sizes = [groups[i].members.numel() for i in gather]
-            parts = [torch.split(t.index_select(0, index), sizes) for t in unified]
+            parts = [self._gather(index, sizes, j, members=True) for j in range(3)]
             for i, *tables in zip(gather, *parts):
-                members[i] = tuple(t.transpose(0, 1) for t in tables)
+                members[i] = tuple(tables)
         out = []
         for g, slot, member in zip(groups, slots, members):
-            if slot is None:
+            if slot is None and g.slots_are_members:
+                slot = (None, None)
+            elif slot is None:
                 lo, hi = g.rows
                 slot = tuple(t if (lo, hi) == (0, n) else t[:, lo:hi] for t in self.leaf[:2])
             if member is None:
@@ -363,11 +370,54 @@ class NodeTables:
                                else c[:, lo - n:hi - n]
                                for t, c in zip(self.leaf, self.internal))
             f, b = g.members.shape
-            out.append(GroupInputs(
-                q_slots=slot[0].reshape(slot[0].shape[0], g.num_tiles, g.tile, -1),
-                k_slots=slot[1].reshape(slot[1].shape[0], g.num_tiles, g.tile, -1),
-                members=tuple(t.reshape(t.shape[0], f, b, -1) for t in member)))
+            q_slots, k_slots = (None if t is None else t.reshape(
+                t.shape[0], g.num_tiles, g.tile, -1) for t in slot)
+            out.append(GroupInputs(q_slots=q_slots, k_slots=k_slots, members=tuple(
+                t.reshape(t.shape[0], f, b, -1) for t in member)))
         return out
+
+    def _gather(self, index: Tensor, sizes: List[int], which: int,
+                members: bool = False) -> Tuple[Tensor, ...]:
+        """Rows ``index`` of ``q``, ``k`` or ``v`` (``which``; unified ids with
+        ``members``, else leaf rows), head-major ``[H, K, .]``, split into ``sizes``."""
+        if self.unified is not None:
+            # head by head along dim 0: torch's index_select along dim 1 copies element
+            # by element on the CPU (8 ms against 1 for 96,200 rows of 64)
+            table = self.unified[which]
+            out = table.new_empty((table.shape[0], index.numel(), table.shape[2]))
+            for head, rows in zip(table, out):
+                torch.index_select(head, 0, index, out=rows)
+            return torch.split(out, sizes, 1)
+        rows = self.leaf_rows
+        if members:
+            if self._unified_rows is None:   # token-major [M + 1, H, .], once per call
+                self._unified_rows = [torch.cat([a, c])
+                                      for a, c in zip(self.leaf_rows, self.internal_rows)]
+            rows = self._unified_rows
+        return tuple(t.transpose(0, 1) for t in torch.split(
+            rows[which].index_select(0, index), sizes))
+
+    def head_major(self, scratch: Optional[List[Tensor]]
+                   ) -> Tuple[NodeTables, List[Tensor]]:
+        """These tables with every node's ``q, k, v`` rows copied into contiguous
+        head-major ``scratch`` tables ``[heads, M + 1, .]`` (:attr:`unified`; reused
+        from chunk to chunk, new ones where ``None`` or of another shape), without
+        autograd. Every depth's products and gathers read them: over the token-major
+        rows, ``H * D`` apart, a product costs about 1.5x and a gather 3x or more what
+        it costs over contiguous ones, and a chunk of one head (54 MiB at 65,536
+        leaves, D = 64) stays in the cache from depth to depth."""
+        n = self.leaf[0].shape[1]
+        tables = []
+        for j, (leaf, internal) in enumerate(zip(self.leaf, self.internal)):
+            shape = (leaf.shape[0], n + internal.shape[1], leaf.shape[2])
+            table = (scratch[j] if scratch is not None and scratch[j].shape == shape
+                     else leaf.new_empty(shape))
+            table[:, :n].copy_(leaf)
+            table[:, n:].copy_(internal)
+            tables.append(table)
+        return replace(self, leaf=tuple(t[:, :n] for t in tables),
+                       internal=tuple(t[:, n:] for t in tables),
+                       unified=tuple(tables)), tables
 
     def split(self, sizes: List[int]) -> List[NodeTables]:
         """The tables of consecutive head chunks of ``sizes`` heads (views through
@@ -394,11 +444,12 @@ class NodeTables:
 @dataclass(frozen=True)
 class GroupInputs:
     """What a :class:`CausalTiles` group's spine step reads of the inputs: ``q`` and
-    ``k`` at its slots ``[H, R, T, D]``, and its members' ``(r_q, r_k, r_v)``
-    ``[H, F, b, ...]`` (:meth:`NodeTables.level_inputs`)."""
+    ``k`` at its slots ``[H, R, T, D]`` (``None`` where the slots are the members),
+    and its members' ``(r_q, r_k, r_v)`` ``[H, F, b, ...]``
+    (:meth:`NodeTables.level_inputs`)."""
 
-    q_slots: Tensor
-    k_slots: Tensor
+    q_slots: Optional[Tensor]
+    k_slots: Optional[Tensor]
     members: Tuple[Tensor, Tensor, Tensor]
 
 
@@ -409,17 +460,19 @@ class SpineStep:
     :math:`\log\mu_i(S)` ``[H, slots]``, and the softmax of :math:`S_i` over its left
     siblings, ``weights`` ``[H, R, T, b]`` against their ``values`` :math:`r_v`
     ``[H, R, b, Dv]``: :math:`\bar\theta_i(S)` is their product, which the top-down pass
-    forms already scaled by the query's share."""
+    forms already scaled by the query's share; and ``family_lam`` ``[H, F]``, the
+    full-tree :math:`\lambda` of the group's family parents (:func:`_family_lam`)."""
 
     lam: Tensor
     log_mu: Tensor
     weights: Tensor
     values: Tensor
+    family_lam: Tensor
 
 
-def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
-                 include_self: bool, scale: float, pos: Optional[Tensor],
-                 recording: bool) -> NodeTables:
+def _node_tables(st: TreeStructure, means: Tuple[Tensor, Tensor, Tensor], q: Tensor,
+                 k: Tensor, v: Tensor, include_self: bool, scale: float,
+                 pos: Optional[Tensor], recording: bool) -> NodeTables:
     size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
 
     def head_major(t: Tensor) -> Tensor:
@@ -434,7 +487,10 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
     # without autograd the leaf rows are read in place; with it, contiguous head-major
     # copies keep every product (and its backward) one batched matmul
     leaf = tuple(head_major(t) if recording else t.transpose(0, 1) for t in (q, k, v))
-    internal_lam = head_major(_internal_lam(st, stats, size))
+    # an internal node's lambda comes from its family's scan when its depth runs
+    # (:func:`_family_lam`); NaN until then, so that a read before it would show
+    internal_lam = q.new_full((q.shape[1], st.num_internal + 1), float("nan"))
+    internal_lam[:, -1] = 0.0                                       # the padding row
     if recording:
         # lambda from the head-major copies: as a third reader of q and k its gradient
         # (a Python Function's, which autograd cannot add into in place) would meet
@@ -443,7 +499,6 @@ def _node_tables(st: TreeStructure, stats, q: Tensor, k: Tensor, v: Tensor,
                              heads_first=True)
     else:
         leaf_lam = _leaf_lam(st, q, k, include_self, scale, pos).transpose(0, 1)
-    means = (stats.rq, stats.rk, stats.rv)
     return NodeTables(leaf=leaf, internal=tuple(head_major(t) for t in means),
                       leaf_rows=(q, k, v), internal_rows=means,
                       lam=torch.cat([leaf_lam, internal_lam], 1), size=size,
@@ -503,6 +558,10 @@ class _TileView:
         out = table.index_select(1, self.g.members.flatten())
         return out.view(table.shape[0], self.f, self.b, *table.shape[2:])
 
+    def member_lam(self, lam: Tensor) -> Tensor:         # [H, M + 1] -> [H, F, b]
+        out = lam.index_select(1, self.g.member_lam.flatten())
+        return out.view(lam.shape[0], self.f, self.b)
+
     def per_tile(self, table: Tensor) -> Tensor:         # [H, F, ...] -> [H, R, ...]
         return table if self.r == self.f else table.index_select(1, self.g.tile_family)
 
@@ -539,6 +598,8 @@ class SlotTables:
             (``[p, C]`` for members).
         has_left: ``[R, T]`` whether :math:`p > 0`.
         count, parent_count: ``[R, T]`` :math:`n_i(S)`, :math:`n_i(A)`.
+        member_share: ``[F, b]`` :math:`n(C) / n(A)` of every member (0 on padding):
+            the weights of the family's :math:`\lambda(A)` (:func:`_family_lam`).
     """
 
     row_bias: Tensor
@@ -546,30 +607,35 @@ class SlotTables:
     has_left: Tensor
     count: Tensor
     parent_count: Tensor
+    member_share: Tensor
 
 
 def _slot_tables(g: CausalTiles, nodes: NodeTables, dtype: torch.dtype) -> SlotTables:
     b, r, t, dev = g.size, g.num_tiles, g.tile, g.members.device
     has_left = (g.slot_pos > 0).view(r, t)
     parent_count = g.slot_count_parent.to(dtype).view(r, t)
+    share = (nodes.size[g.members] / nodes.size[g.family_parent][:, None]).to(dtype)
+    share = share.masked_fill_(g.members == nodes.size.numel() - 1, 0.0)   # padding
     if g.slots_are_members:
         left = torch.ones(b, b, dtype=torch.bool, device=dev).tril(-1)       # [p, C]: C < p
         row_bias = torch.zeros(b, b, dtype=dtype, device=dev).masked_fill_(~left.t(),
                                                                              NEG_INF)
         row_bias[:, 0] = 0.0
         return SlotTables(row_bias=row_bias, weight=left.to(dtype), has_left=has_left,
-                          count=parent_count.new_ones(()), parent_count=parent_count)
+                          count=parent_count.new_ones(()), parent_count=parent_count,
+                          member_share=share)
     view = _TileView(g)
     valid = torch.arange(b, device=dev) < g.slot_pos.view(r, t, 1)          # [R, T, b]
     log_n = view.per_tile(nodes.log_size[g.members][None])[0][:, None, :]
     row_bias = torch.where(valid, log_n, NEG_INF).masked_fill_(~has_left[..., None], 0.0)
     size = view.per_tile(nodes.size[g.members][None])[0][:, None, :]
     return SlotTables(row_bias=row_bias, weight=size * valid.to(dtype), has_left=has_left,
-                      count=g.slot_count.to(dtype).view(r, t), parent_count=parent_count)
+                      count=g.slot_count.to(dtype).view(r, t), parent_count=parent_count,
+                      member_share=share)
 
 
 def _spine_step(g: CausalTiles, inputs: GroupInputs, consts: SlotTables, nodes: NodeTables,
-                lam: Tensor, scale: float, recording: bool) -> SpineStep:
+                node_lam: Tensor, lam: Tensor, scale: float, recording: bool) -> SpineStep:
     r"""One depth of the spine recursion for every slot of the tile group ``g`` (see the
     module docstring): for query :math:`i` with spine child :math:`S` at position
     :math:`p` of its family,
@@ -602,13 +668,15 @@ def _spine_step(g: CausalTiles, inputs: GroupInputs, consts: SlotTables, nodes: 
         pos_dots = torch.matmul(mp, mp.transpose(-1, -2))                  # [H', F, b, b]
     # lam(C) floored at a finite -1e30 (the same logaddexp wherever the rest is finite,
     # as on every entry that counts) keeps every term finite, so masks are products
-    lam_m = view.member_table(nodes.lam).clamp_min(_FINITE_NEG)            # [H, F, C]
+    lam_m = view.member_lam(node_lam).clamp_min(_FINITE_NEG)               # [H, F, C]
     zt = _member_logits(mq, mk, log_n, lam_m, pos_dots, scale, recording)  # [H, F, B, C]
     lam_s = view.slots(lam)                                                 # [H, R, T]
     if g.slots_are_members:
         return _member_step(g, consts, zt, lam_s, mv, recording)
     # K(C, p): the exclusive scan over B < p (lam(C) enters as the diagonal B = C < p)
-    kept = _logcumsumexp(zt, recording)[..., :-1, :]                        # [H, F, p-1, C]
+    scan = _logcumsumexp(zt, recording)                                     # [H, F, p, C]
+    family_lam = _family_lam(scan, consts)
+    kept = scan[..., :-1, :]                                                # [H, F, p-1, C]
     kept = view.per_slot(torch.cat([kept.new_full((*kept.shape[:-2], 1, b), NEG_INF),
                                     kept], -2))                             # [H, R, T, C]
     count = consts.count
@@ -633,7 +701,7 @@ def _spine_step(g: CausalTiles, inputs: GroupInputs, consts: SlotTables, nodes: 
     total_s = _logaddexp(lam_s, eta_s)
     lam_a = (total + count * total_s) / consts.parent_count
     return SpineStep(lam=view.flat(lam_a), log_mu=view.flat(_log_ratio(lam_s, total_s)),
-                     weights=weights, values=view.per_tile(mv))
+                     weights=weights, values=view.per_tile(mv), family_lam=family_lam)
 
 
 def _member_step(g: CausalTiles, consts: SlotTables, zt: Tensor, lam_s: Tensor, mv: Tensor,
@@ -644,6 +712,7 @@ def _member_step(g: CausalTiles, consts: SlotTables, zt: Tensor, lam_s: Tensor, 
     of a left sibling :math:`C` is the inclusive scan of column :math:`C` at
     :math:`p`."""
     term = _logcumsumexp(zt, recording)                                    # [H, F, p, C]
+    family_lam = _family_lam(term, consts)                 # before term is overwritten
     total = _update(term, recording, "mul", consts.weight).sum(-1)        # [H, F, p]
     # the query's own row, keys B < p along dim -2; softmax weights [H, F, B, p], read
     # transposed
@@ -654,7 +723,17 @@ def _member_step(g: CausalTiles, consts: SlotTables, zt: Tensor, lam_s: Tensor, 
     lam_a = (total + total_s) / consts.parent_count
     flat = _TileView(g).flat
     return SpineStep(lam=flat(lam_a), log_mu=flat(_log_ratio(lam_s, total_s)),
-                     weights=weights.transpose(-1, -2), values=mv)
+                     weights=weights.transpose(-1, -2), values=mv, family_lam=family_lam)
+
+
+def _family_lam(scan: Tensor, consts: SlotTables) -> Tensor:
+    r""":math:`\lambda(A) = \sum_C \frac{n(C)}{n(A)} \mathrm{logaddexp}(\lambda(C),
+    \eta(C))` of each family's parent ``[H, F]``, from the last row of the inclusive
+    member scan ``[H, F, b, C]`` (all keys: the full-tree log-normaliser of column
+    :math:`C`). Its terms are finite (:math:`\lambda(C)` floored), so an
+    :math:`\lambda(A)` that is :math:`-\infty` comes out a large negative number, which
+    only ever enters the floored diagonal of the next depth's scan."""
+    return torch.linalg.vecdot(scan[..., -1, :], consts.member_share)
 
 
 def _spine_sums(g: CausalTiles, x: Tensor, recording: bool) -> Tensor:
@@ -748,9 +827,8 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     same inputs when the caller has it already (the cache's prefill)."""
     recording = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, pos))
-    if stats is None:
-        stats = hsa_statistics(st, q, k, include_self, scale, pos, v=v, leaf_mass=False)
-    nodes = _node_tables(st, stats, q, k, v, include_self, scale, pos, recording)
+    means = st.subtree_means(q, k, v) if stats is None else (stats.rq, stats.rk, stats.rv)
+    nodes = _node_tables(st, means, q, k, v, include_self, scale, pos, recording)
     # heads run in chunks whose [heads, slots, b] intermediates stay small: those are
     # then reused heap memory, not fresh mappings that fault in page by page
     widest = max((sum(g.num_tiles * g.tile * g.size for g in level.groups)
@@ -766,7 +844,9 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
             _causal_heads(st, plan, consts, part, include_self, scale, recording)
             for part in parts]))
     y = torch.empty_like(v)
+    scratch = None
     for lo, part in zip(range(0, h, per_chunk), parts):
+        part, scratch = part.head_major(scratch)
         y[:, lo:lo + part.lam.shape[0]] = _causal_heads(
             st, plan, consts, part, include_self, scale, recording).transpose(0, 1)
     return y
@@ -787,11 +867,18 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
     ``[heads, N, Dv]``, head-major (each head's slots of a tile group are then one
     contiguous block, which batched matmuls accumulate into in place)."""
     n = st.num_leaves
-    leaf_v, lam = nodes.leaf[2], nodes.lam[:, :n]
+    leaf_v, node_lam = nodes.leaf[2], nodes.lam
+    lam = node_lam[:, :n]
     per_level = []
     for level, tables in zip(plan.levels, consts):  # deepest first: bottom-up
-        steps = [_spine_step(g, inputs, c, nodes, lam, scale, recording) for g, inputs, c
-                 in zip(level.groups, nodes.level_inputs(level, recording), tables)]
+        steps = [_spine_step(g, inputs, c, nodes, node_lam, lam, scale, recording)
+                 for g, inputs, c in zip(level.groups, nodes.level_inputs(level, recording),
+                                         tables)]
+        # the full-tree lambda of this depth's family parents, which the next depth's
+        # members read
+        for g, step in zip(level.groups, steps):
+            node_lam = _update(node_lam, recording, "index_copy", 1, g.family_parent,
+                               step.family_lam)
         lam = _rows_of(level, [s.lam for s in steps], lam)
         per_level.append((_rows_of(level, [s.log_mu for s in steps], None), steps))
     # top-down: y = m(i) v_i + sum over the spine of m(above) (1 - mu) theta_bar, where
