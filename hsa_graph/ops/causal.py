@@ -70,7 +70,7 @@ then read from the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -148,15 +148,38 @@ def _softmax(row: Tensor, recording: bool, dim: int = -1) -> Tuple[Tensor, Tenso
 
 
 def _logcumsumexp(z: Tensor, recording: bool) -> Tensor:
-    r"""Inclusive log-cumsum-exp over dim ``-2`` by doubling (Hillis-Steele), as
-    :math:`\lceil \log_2 b \rceil` log-add-exps of shifted slices: entry ``p`` reads
-    entries ``<= p`` only, even in its rounding (a row max shift would let later leaves
-    change earlier outputs in the last bit), and ``-inf`` entries stay exact. Over dim
-    ``-2`` every slice is whole contiguous rows: on CPU about 5x faster than slices of
-    the last dim, and 2.5x faster than ``torch.logcumsumexp``. ``z`` is never written.
-    With autograd, :class:`_LogCumSumExp` (its backward is a scan as well)."""
+    r"""Inclusive log-cumsum-exp over dim ``-2``, in which entry ``p`` reads entries
+    ``<= p`` only, even in its rounding (a max shift over the whole axis would let later
+    leaves change earlier outputs in the last bit), and ``-inf`` entries stay exact;
+    ``z`` is never written. On the CPU :func:`_logcumsumexp_in_order`, elsewhere
+    :func:`_logcumsumexp_doubling`; with autograd, :class:`_LogCumSumExp` (its backward
+    is a scan as well)."""
     if recording:
         return _LogCumSumExp.apply(z)
+    if z.device.type == "cpu":
+        return _logcumsumexp_in_order(z)
+    return _logcumsumexp_doubling(z)
+
+
+def _logcumsumexp_in_order(z: Tensor) -> Tensor:
+    r""":func:`_logcumsumexp` position after position,
+    :math:`o_p = \mathrm{logaddexp}(o_{p-1}, z_p)`, on a copy whose scan axis comes
+    first (each step one contiguous slice), returned as a view in ``z``'s layout: ``b``
+    small kernels and one log-add-exp per entry. torch's CPU log-add-exp costs 2-4 ns
+    per entry, which the doubling pays :math:`\lceil \log_2 b \rceil` times (families
+    of 16 and 256, 2 threads: 8.6 -> 3.3 ms for ``[1, 4096, 16, 16]``, 75 -> 28 ms for
+    ``[1, 64, 256, 256]``)."""
+    out = z.movedim(-2, 0).clone(memory_format=torch.contiguous_format)
+    for p in range(1, out.shape[0]):
+        torch.logaddexp(out[p - 1], out[p], out=out[p])
+    return out.movedim(0, -2)
+
+
+def _logcumsumexp_doubling(z: Tensor) -> Tensor:
+    r""":func:`_logcumsumexp` by doubling (Hillis-Steele), as
+    :math:`\lceil \log_2 b \rceil` log-add-exps of shifted slices over dim ``-2``
+    (each slice whole contiguous rows): on an accelerator, where a kernel per position
+    would cost more in launches than these passes do in work."""
     b, step = z.shape[-2], 1
     out, spare = z, None
     while step < b:
@@ -286,6 +309,27 @@ def _internal_lam(st: TreeStructure, stats, size: Tensor) -> Tensor:
     return lam
 
 
+class Buffers:
+    """Scratch tensors that a call without autograd reuses from head chunk to head
+    chunk, one per key: a fresh buffer above glibc's mmap threshold is a fresh mapping
+    whose pages fault in on first touch, which on a 2-core machine costs about as much
+    as the gather or product that fills it (ragged tree, 65,536 leaves: 24 gathers of
+    96,200 member rows at 12 ms each into fresh buffers, 5 ms into reused ones)."""
+
+    def __init__(self) -> None:
+        self._store: Dict[Hashable, Tensor] = {}
+
+    def take(self, key: Hashable, shape: Tuple[int, ...], like: Tensor) -> Tensor:
+        """The buffer of ``key``: uninitialised, of ``shape`` and ``like``'s dtype and
+        device (the stored one where it fits, else a new one that replaces it). Its
+        contents are the caller's until it takes the same key again."""
+        buf = self._store.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype or (
+                buf.device != like.device):
+            buf = self._store[key] = like.new_empty(shape)
+        return buf
+
+
 @dataclass
 class NodeTables:
     r"""Head-major per-node quantities of the full tree that the spine steps read.
@@ -310,6 +354,7 @@ class NodeTables:
             ``[H, M + 1, .]`` (:meth:`head_major`), whose slices ``leaf`` and
             ``internal`` then are; gathers read them. ``None``: gathers read the
             token-major rows.
+        buffers: where the gathers from ``unified`` write (:class:`Buffers`, with it).
     """
 
     leaf: Tuple[Tensor, Tensor, Tensor]
@@ -321,6 +366,7 @@ class NodeTables:
     log_size: Tensor
     pos: Optional[Tensor]
     unified: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+    buffers: Optional[Buffers] = None
     _unified_rows: Optional[List[Tensor]] = None
 
     def level_inputs(self, level, recording: bool) -> List[GroupInputs]:
@@ -344,7 +390,7 @@ class NodeTables:
         if gather:
             index = torch.cat([groups[i].slot_row for i in gather])
             sizes = [groups[i].slot_row.numel() for i in gather]
-            parts = [self._gather(index, sizes, j) for j in range(2)]
+            parts = [self._gather(index, sizes, (level.depth, "slots", j)) for j in range(2)]
             for i, q_part, k_part in zip(gather, *parts):
                 slots[i] = (q_part, k_part)
         members: List[Optional[Tuple[Tensor, ...]]] = [None] * len(groups)
@@ -354,7 +400,8 @@ class NodeTables:
         if gather:
             index = torch.cat([groups[i].members.flatten() for i in gather])
             sizes = [groups[i].members.numel() for i in gather]
-            parts = [self._gather(index, sizes, j, members=True) for j in range(3)]
+            parts = [self._gather(index, sizes, (level.depth, "members", j))
+                     for j in range(3)]
             for i, *tables in zip(gather, *parts):
                 members[i] = tuple(tables)
         out = []
@@ -376,15 +423,19 @@ class NodeTables:
                 t.reshape(t.shape[0], f, b, -1) for t in member)))
         return out
 
-    def _gather(self, index: Tensor, sizes: List[int], which: int,
-                members: bool = False) -> Tuple[Tensor, ...]:
-        """Rows ``index`` of ``q``, ``k`` or ``v`` (``which``; unified ids with
-        ``members``, else leaf rows), head-major ``[H, K, .]``, split into ``sizes``."""
+    def _gather(self, index: Tensor, sizes: List[int], key: Tuple[int, str, int]
+                ) -> Tuple[Tensor, ...]:
+        """Rows ``index`` of ``q``, ``k`` or ``v``, head-major ``[H, K, .]``, split into
+        ``sizes``; ``key``: ``(depth, "members" or "slots", which)``, ``which`` 0, 1, 2
+        for ``q, k, v``; members are unified ids, slots leaf rows. Each key has its own
+        buffer: the member values are read again by the top-down pass."""
+        which, members = key[2], key[1] == "members"
         if self.unified is not None:
             # head by head along dim 0: torch's index_select along dim 1 copies element
             # by element on the CPU (8 ms against 1 for 96,200 rows of 64)
             table = self.unified[which]
-            out = table.new_empty((table.shape[0], index.numel(), table.shape[2]))
+            out = self.buffers.take(key, (table.shape[0], index.numel(), table.shape[2]),
+                                    table)
             for head, rows in zip(table, out):
                 torch.index_select(head, 0, index, out=rows)
             return torch.split(out, sizes, 1)
@@ -397,27 +448,25 @@ class NodeTables:
         return tuple(t.transpose(0, 1) for t in torch.split(
             rows[which].index_select(0, index), sizes))
 
-    def head_major(self, scratch: Optional[List[Tensor]]
-                   ) -> Tuple[NodeTables, List[Tensor]]:
+    def head_major(self, buffers: Buffers) -> NodeTables:
         """These tables with every node's ``q, k, v`` rows copied into contiguous
-        head-major ``scratch`` tables ``[heads, M + 1, .]`` (:attr:`unified`; reused
-        from chunk to chunk, new ones where ``None`` or of another shape), without
-        autograd. Every depth's products and gathers read them: over the token-major
-        rows, ``H * D`` apart, a product costs about 1.5x and a gather 3x or more what
-        it costs over contiguous ones, and a chunk of one head (54 MiB at 65,536
-        leaves, D = 64) stays in the cache from depth to depth."""
+        head-major tables ``[heads, M + 1, .]`` (:attr:`unified`, from ``buffers``,
+        which the gathers then use too), without autograd. Every depth's products and
+        gathers read them: over the token-major rows, ``H * D`` apart, a product costs
+        about 1.5x and a gather 3x or more what it costs over contiguous ones, and a
+        chunk of one head (54 MiB at 65,536 leaves, D = 64) stays in the cache from
+        depth to depth."""
         n = self.leaf[0].shape[1]
         tables = []
         for j, (leaf, internal) in enumerate(zip(self.leaf, self.internal)):
             shape = (leaf.shape[0], n + internal.shape[1], leaf.shape[2])
-            table = (scratch[j] if scratch is not None and scratch[j].shape == shape
-                     else leaf.new_empty(shape))
+            table = buffers.take(("unified", j), shape, leaf)
             table[:, :n].copy_(leaf)
             table[:, n:].copy_(internal)
             tables.append(table)
         return replace(self, leaf=tuple(t[:, :n] for t in tables),
                        internal=tuple(t[:, n:] for t in tables),
-                       unified=tuple(tables)), tables
+                       unified=tuple(tables), buffers=buffers)
 
     def split(self, sizes: List[int]) -> List[NodeTables]:
         """The tables of consecutive head chunks of ``sizes`` heads (views through
@@ -844,9 +893,9 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
             _causal_heads(st, plan, consts, part, include_self, scale, recording)
             for part in parts]))
     y = torch.empty_like(v)
-    scratch = None
+    buffers = Buffers()
     for lo, part in zip(range(0, h, per_chunk), parts):
-        part, scratch = part.head_major(scratch)
+        part = part.head_major(buffers)
         y[:, lo:lo + part.lam.shape[0]] = _causal_heads(
             st, plan, consts, part, include_self, scale, recording).transpose(0, 1)
     return y
@@ -895,8 +944,8 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
         m = log_m.exp().unsqueeze(-1)
         # without autograd one pass into a head-major buffer (the product alone would
         # take leaf_v's token-major strides); with it, leaf_v is head-major already
-        y = leaf_v * m if recording else torch.mul(leaf_v, m, out=torch.empty(
-            leaf_v.shape, dtype=leaf_v.dtype, device=leaf_v.device))
+        y = leaf_v * m if recording else torch.mul(
+            leaf_v, m, out=nodes.buffers.take("output", leaf_v.shape, leaf_v))
     for (log_mu, steps), above, level in zip(per_level, reversed(log_m_above), plan.levels):
         share = -torch.expm1(log_mu) if above is None else above.exp() * -torch.expm1(log_mu)
         for g, step in zip(level.groups, steps):

@@ -300,17 +300,32 @@ def test_head_chunks_and_the_autograd_path_agree(monkeypatch):
         torch.testing.assert_close(whole[rows], ref[rows], atol=1e-10, rtol=1e-10)
 
 
-def test_doubling_scan_and_its_backward():
-    """The family tables' log-cumsum-exp (dim -2, by doubling) equals torch's, keeps
-    -inf entries exact, and its hand-written backward passes gradcheck with zero
-    gradients on -inf entries."""
-    from hsa_graph.ops.causal import _logcumsumexp
+def test_scans_and_their_backward():
+    """The family tables' log-cumsum-exp (dim -2; in order on the CPU, by doubling on
+    accelerators) equals torch's, keeps -inf entries exact, never writes or returns its
+    input, leaves entry p unchanged in every bit when later entries change, and its
+    hand-written backward passes gradcheck with zero gradients on -inf entries."""
+    from hsa_graph.ops.causal import (
+        _logcumsumexp,
+        _logcumsumexp_doubling,
+        _logcumsumexp_in_order,
+    )
 
     torch.manual_seed(0)
     z = torch.randn(2, 3, 13, 4, dtype=torch.float64)
     z[0, 1, :3] = float("-inf")                     # a column that starts empty
     z[1, 2, 5] = float("-inf")
     expected = torch.logcumsumexp(z, -2)
+    for scan in (_logcumsumexp_in_order, _logcumsumexp_doubling):
+        before = z.clone()
+        out = scan(z)
+        torch.testing.assert_close(out, expected, atol=1e-13, rtol=1e-13)
+        assert torch.equal(z, before)
+        later = z.clone()
+        later[..., 7:, :] = torch.randn_like(later[..., 7:, :]) * 10
+        assert torch.equal(scan(later)[..., :7, :], out[..., :7, :])
+        one = z[..., :1, :]                             # b = 1: a copy, not z itself
+        assert torch.equal(scan(one), one) and scan(one).data_ptr() != one.data_ptr()
     torch.testing.assert_close(_logcumsumexp(z, False), expected, atol=1e-13, rtol=1e-13)
     torch.testing.assert_close(_logcumsumexp(z, True), expected, atol=1e-13, rtol=1e-13)
     assert torch.autograd.gradcheck(lambda t: _logcumsumexp(t, True),
