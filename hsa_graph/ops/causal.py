@@ -50,9 +50,9 @@ is partial: one step per depth, vectorised over all queries, computes for the sp
 where :math:`F(C, p) = \log \sum_{B < p, B \ne C} n(B) e^{z(C, B)}`. The terms of
 the complete siblings hold no query but for :math:`z(C, S_i)`:
 :math:`\mathrm{logaddexp}(\lambda(C), F(C, p))` is one exclusive log-cumsum-exp per
-family over the member logits with :math:`\lambda(C)` on the diagonal (a scan by
-doubling, which reads only :math:`B < p` even in its rounding). The step runs on the
-tiles of
+family over the member logits with :math:`\lambda(C)` on the diagonal (a scan in
+order on the CPU, by doubling elsewhere; either reads only :math:`B < p`, even in its
+rounding). The step runs on the tiles of
 :attr:`TreeStructure.causal_plan <hsa_graph.TreeStructure.causal_plan>`: the queries
 under one family, cut into runs of consecutive leaf rows, share that family's members,
 so each product is one batched matmul ``[T, D] x [D, b]`` per tile. The logits of the
