@@ -1316,15 +1316,16 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     parent_u = st.parent_unified()
     child = (parent_u >= 0).nonzero().flatten()
     par = parent_u[child]
-    keep = torch.bincount(par, minlength=m)[par] >= 2
-    child, par = child[keep], par[keep]
-    if child.numel() == 0:
+    siblings = torch.bincount(par, minlength=m)[par]              # family size per child
+    keep, only = siblings >= 2, siblings == 1
+    if not bool(keep.any()):
         return CausalPlan(levels=[], first_leaf=first)
+    lam_source = _only_child_chains(child[only], par[only], m, st.max_depth)
+    child, par = child[keep], par[keep]
     order = torch.sort(par * (n + 1) + first[child]).indices    # by family, then document
     child, par = child[order], par[order]
     fam_ids, fam_of_member, fam_count = torch.unique_consecutive(
         par, return_inverse=True, return_counts=True)
-    lam_source = _only_child_chains(parent_u, st.max_depth)
     pos = torch.arange(child.numel(), device=dev) - (fam_count.cumsum(0) - fam_count)[fam_of_member]
     fam_first, fam_leaves = first[fam_ids], last[fam_ids] - first[fam_ids] + 1
     fam_size = _causal_widths(st.depth[fam_ids], _padded_size(fam_count), fam_leaves)
@@ -1436,17 +1437,14 @@ def _tile_group(members: Tensor, first: Tensor, last: Tensor, fam_first: Tensor,
     return group, real.flatten()
 
 
-def _only_child_chains(parent_u: Tensor, max_depth: int) -> Tensor:
+def _only_child_chains(only_child: Tensor, its_parent: Tensor, m: int,
+                       max_depth: int) -> Tensor:
     r"""``[M + 1]``: for every unified node the last node of its chain of only
-    children (itself unless it has exactly one child; ``M`` maps to ``M``), by pointer
-    jumping: :math:`\lceil \log_2(\mathrm{depth} + 1) \rceil` gathers, no loop over
-    nodes."""
-    m, dev = parent_u.numel(), parent_u.device
-    child = (parent_u >= 0).nonzero().flatten()
-    par = parent_u[child]
-    only = torch.bincount(par, minlength=m)[par] == 1
-    hop = torch.arange(m + 1, device=dev)
-    hop[par[only]] = child[only]
+    children (itself unless it has exactly one child; ``M`` maps to ``M``), from the
+    unified ids of the only children and of their parents, by pointer jumping:
+    :math:`\lceil \log_2(\mathrm{depth} + 1) \rceil` gathers, no loop over nodes."""
+    hop = torch.arange(m + 1, device=only_child.device)
+    hop[its_parent] = only_child
     for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
         hop = hop[hop]
     return hop

@@ -390,7 +390,7 @@ class NodeTables:
         if gather:
             index = torch.cat([groups[i].slot_row for i in gather])
             sizes = [groups[i].slot_row.numel() for i in gather]
-            parts = [self._gather(index, sizes, (level.depth, "slots", j)) for j in range(2)]
+            parts = [self._gather(index, sizes, j, level.depth) for j in range(2)]
             for i, q_part, k_part in zip(gather, *parts):
                 slots[i] = (q_part, k_part)
         members: List[Optional[Tuple[Tensor, ...]]] = [None] * len(groups)
@@ -400,7 +400,7 @@ class NodeTables:
         if gather:
             index = torch.cat([groups[i].members.flatten() for i in gather])
             sizes = [groups[i].members.numel() for i in gather]
-            parts = [self._gather(index, sizes, (level.depth, "members", j))
+            parts = [self._gather(index, sizes, j, level.depth, members=True)
                      for j in range(3)]
             for i, *tables in zip(gather, *parts):
                 members[i] = tuple(tables)
@@ -423,19 +423,18 @@ class NodeTables:
                 t.reshape(t.shape[0], f, b, -1) for t in member)))
         return out
 
-    def _gather(self, index: Tensor, sizes: List[int], key: Tuple[int, str, int]
-                ) -> Tuple[Tensor, ...]:
-        """Rows ``index`` of ``q``, ``k`` or ``v``, head-major ``[H, K, .]``, split into
-        ``sizes``; ``key``: ``(depth, "members" or "slots", which)``, ``which`` 0, 1, 2
-        for ``q, k, v``; members are unified ids, slots leaf rows. Each key has its own
-        buffer: the member values are read again by the top-down pass."""
-        which, members = key[2], key[1] == "members"
+    def _gather(self, index: Tensor, sizes: List[int], which: int, depth: int,
+                members: bool = False) -> Tuple[Tensor, ...]:
+        """Rows ``index`` of ``q``, ``k`` or ``v`` (``which``; unified ids with
+        ``members``, else leaf rows), head-major ``[H, K, .]``, split into ``sizes``.
+        From :attr:`unified`, into a buffer of its own per depth and kind: the member
+        values are read again by the top-down pass."""
         if self.unified is not None:
             # head by head along dim 0: torch's index_select along dim 1 copies element
             # by element on the CPU (8 ms against 1 for 96,200 rows of 64)
             table = self.unified[which]
-            out = self.buffers.take(key, (table.shape[0], index.numel(), table.shape[2]),
-                                    table)
+            out = self.buffers.take((depth, members, which),
+                                    (table.shape[0], index.numel(), table.shape[2]), table)
             for head, rows in zip(table, out):
                 torch.index_select(head, 0, index, out=rows)
             return torch.split(out, sizes, 1)
