@@ -805,12 +805,17 @@ class TreeStructure:
         return value
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
-                      internal_values: Tensor) -> Tensor:
+                      internal_values: Tensor, scratch: Optional[Tensor] = None) -> Tensor:
         """Member values of a bucket's families: ``[F, b, ...]``. Padding slots hold
         zeros or a copy of a member of their family: consumers mask them with
-        ``log_size = -inf`` and never read their rows back."""
+        ``log_size = -inf`` and never read their rows back. ``scratch``: rows
+        ``[>= F * b, ...]`` that a copy is written into instead of a fresh tensor (views
+        of the inputs copy nothing)."""
         rest = leaf_values.shape[1:]
         f, b = bucket.num_families, bucket.size
+
+        def into(shape: Tuple[int, ...]) -> Optional[Tensor]:   # None: the op allocates
+            return None if scratch is None else scratch[:f * b].view(shape)
         # a range that is the whole tensor is not sliced: a slice's backward zero-fills
         # and copies a full-size gradient
         if bucket.leaf_range is not None:
@@ -826,15 +831,22 @@ class TreeStructure:
             lo, per_family = bucket.leaf_block
             inner = internal_values.index_select(0, bucket.internal_src)
             return torch.cat([leaf_values[lo:lo + f * per_family].view(f, per_family, *rest),
-                              inner.view(f, b - per_family, *rest)], 1)
+                              inner.view(f, b - per_family, *rest)], 1,
+                             out=into((f, b, *rest)))
         # index_select copies whole rows; advanced indexing (values[index]) runs the
         # generic element-wise kernel, several times slower on [N, H, D] rows
         if bucket.leaf_gather is not None:
-            return leaf_values.index_select(0, bucket.leaf_gather).view(f, b, *rest)
+            return torch.index_select(leaf_values, 0, bucket.leaf_gather,
+                                      out=into((f * b, *rest))).view(f, b, *rest)
         if bucket.internal_gather is not None:
-            return internal_values.index_select(0, bucket.internal_gather).view(f, b, *rest)
+            return torch.index_select(internal_values, 0, bucket.internal_gather,
+                                      out=into((f * b, *rest))).view(f, b, *rest)
         full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
-        out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
+        out = into((f * b, *rest))
+        if out is None:
+            out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
+        elif not full:
+            out.zero_()
         # in place: ``out`` is fresh, so autograd can record the copies without the
         # full-buffer copy an out-of-place index_copy makes
         out.index_copy_(0, bucket.leaf_slot, leaf_values.index_select(0, bucket.leaf_src))
@@ -858,13 +870,46 @@ class TreeStructure:
                                tuple(g.numel() for _, g in members)))
         return tuple(shared)
 
-    def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor) -> Iterator[Tensor]:
+    @_lazy_field
+    def leaf_of_slot(self) -> List[Optional[Tensor]]:
+        """Per bucket, ``[F * b]`` the leaf row of every slot and ``N`` for slots that
+        hold an internal member or padding, where the bucket's leaves are neither in
+        place nor every slot (else ``None``): :meth:`scatter_leaves` then writes a
+        bucket's rows in one ``index_copy_`` into ``N + 1`` rows, instead of first
+        gathering its leaf slots into a fresh copy."""
+        out: List[Optional[Tensor]] = []
+        for b in self.buckets:
+            slots = b.num_families * b.size
+            if (not b.leaf_slot.numel() or b.leaf_range is not None
+                    or b.leaf_block is not None or b.leaf_slot.numel() == slots):
+                out.append(None)
+                continue
+            rows = b.leaf_src.new_full((slots,), self.num_leaves)
+            out.append(rows.index_copy_(0, b.leaf_slot, b.leaf_src))
+        return out
+
+    @_lazy_field
+    def copied_slots(self) -> int:
+        """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies (not
+        a view of the inputs); 0 when every bucket is a view."""
+        return max([b.num_families * b.size for b in self.buckets
+                    if b.leaf_range is None and b.internal_range is None], default=0)
+
+    def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor,
+                       reuse: bool = False) -> Iterator[Tensor]:
         """:meth:`gather_bucket` of every bucket, in bucket order, one at a time (a
-        generator: without autograd each gathered copy is freed before the next).
+        generator). With ``reuse`` (the caller's promise that it keeps no yielded tensor
+        past the next, and that no autograd graph saves one) every copied bucket is
+        written into one scratch tensor of :attr:`copied_slots` rows, so each yielded
+        tensor holds until the next is taken: one buffer whose pages fault in once per call,
+        where a fresh copy per bucket (above glibc's mmap threshold, 32 MiB) is a fresh
+        mapping that faults in every time (ragged families at N = 262,144, 2 threads:
+        39 ms into a fresh 61 MB copy, 12.5 ms into a reused one).
         Where autograd records, the buckets that read by index (ragged families) share
         one gather per source: the backward of a gather zero-fills a gradient of the
         whole source, once for all those buckets instead of once per bucket."""
         shared = {}
+        scratch = None
         if records_grad(leaf_values, internal_values):
             for kind, indices, index, lengths in self.shared_gathers:
                 values = leaf_values if kind == "leaf" else internal_values
@@ -872,9 +917,15 @@ class TreeStructure:
                 for i, part in zip(indices, parts):
                     bucket = self.buckets[i]
                     shared[i] = part.view(bucket.num_families, bucket.size, *values.shape[1:])
+        reuse = reuse and not records_grad(leaf_values, internal_values)
         for i, bucket in enumerate(self.buckets):
-            yield shared[i] if i in shared else self.gather_bucket(bucket, leaf_values,
-                                                                   internal_values)
+            if i in shared:
+                yield shared[i]
+                continue
+            copies = bucket.leaf_range is None and bucket.internal_range is None
+            if reuse and copies and scratch is None:
+                scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))
+            yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
 
     def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
                        like: Tensor) -> Tensor:
@@ -886,11 +937,12 @@ class TreeStructure:
             return per_bucket[whole]
         if not records_grad(*per_bucket):
             # each bucket's leaf rows written once into the output, as views where the
-            # leaves are in place (the gather below copies every row twice)
-            out = like.new_empty((self.num_leaves, *like.shape[1:]))
+            # leaves are in place (the gather below copies every row twice); a last
+            # row takes the slots that hold no leaf (see leaf_of_slot)
+            out = like.new_empty((self.num_leaves + 1, *like.shape[1:]))
             if self.lonely_leaf.numel():
                 out.index_fill_(0, self.lonely_leaf, fill)
-            for bucket, rows in zip(self.buckets, per_bucket):
+            for bucket, rows, slot_rows in zip(self.buckets, per_bucket, self.leaf_of_slot):
                 if not bucket.leaf_slot.numel():
                     continue
                 if bucket.leaf_range is not None:
@@ -903,8 +955,8 @@ class TreeStructure:
                 elif rows.shape[0] == bucket.leaf_slot.numel():  # every slot a leaf, in order
                     out.index_copy_(0, bucket.leaf_src, rows)
                 else:
-                    out.index_copy_(0, bucket.leaf_src, rows.index_select(0, bucket.leaf_slot))
-            return out
+                    out.index_copy_(0, slot_rows, rows)
+            return out[:-1]
         # recorded: one gather from the concatenated slots (its backward is one scatter;
         # in-place writes would cost a full-size gradient copy per bucket)
         parts = [rows for bucket, rows in zip(self.buckets, per_bucket)

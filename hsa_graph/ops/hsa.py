@@ -411,8 +411,12 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
 
     bucket_out: List[Optional[Tensor]] = []
     bucket_lse: List[Tensor] = []
-    members = zip(st.gather_buckets(fq_leaf, fq_internal), st.gather_buckets(fk_leaf, fk_internal),
-                  st.gather_buckets(fv_leaf, fv_internal))
+    # one bucket's members at a time; where no graph saves them, each operand's copies
+    # share one scratch
+    operands = ((fq_leaf, fq_internal), (fk_leaf, fk_internal), (fv_leaf, fv_internal))
+    reuse = not records_grad(*(t for pair in operands for t in pair))
+    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse)
+                    for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]

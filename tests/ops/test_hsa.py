@@ -968,10 +968,39 @@ def test_bucket_layouts_match_reference(name, include_self):
     y = hsa_graph.hsa(*inputs, make_tree(parent), include_self=include_self)
     y_ref = dense_hsa(parent, *inputs, include_self=include_self)
     torch.testing.assert_close(y, y_ref, **TOL)
+    with torch.no_grad():  # the gathers share a scratch, the leaf rows scatter in place
+        torch.testing.assert_close(hsa_graph.hsa(q, k, v, make_tree(parent),
+                                                 include_self=include_self), y_ref, **TOL)
     w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
     for a, b, n in zip(_grads((w * y).sum(), inputs), _grads((w * y_ref).sum(), inputs),
                        "qkv"):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def _forest(parents):
+    """The trees of ``parents`` as one forest, nodes numbered tree after tree."""
+    out, offset = [], 0
+    for parent in parents:
+        out.extend(p if p < 0 else p + offset for p in parent)
+        offset += len(parent)
+    return out
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_every_bucket_kind_in_one_tree(grad):
+    """The layout trees as one forest, whose buckets copy their members: without
+    autograd those copies share one scratch per operand, which each bucket overwrites
+    after the one before it is done."""
+    parent = _forest(LAYOUT_TREES[name] for name in sorted(LAYOUT_TREES))
+    st = make_tree(parent).structure
+    copied = [b for b in st.buckets if b.leaf_range is None and b.internal_range is None]
+    assert len(copied) >= 3 and st.copied_slots == max(b.num_families * b.size
+                                                       for b in copied)
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=6)
+    with torch.set_grad_enabled(grad):
+        y = hsa_graph.hsa(*(x.requires_grad_(grad) for x in (q, k, v)), make_tree(parent))
+    torch.testing.assert_close(y, dense_hsa(parent, q, k, v), **TOL)
 
 
 def test_layout_trees_exercise_every_bucket_kind():
