@@ -223,6 +223,19 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
                 members = expected[fam * bucket.size:(fam + 1) * bucket.size]
                 assert got == 0.0 or got in members, f"padding slot {slot} holds {got}"
         gathered.append(g.reshape(-1, 1))
+    # the same members through one scratch shared by the copied buckets, taken in turn
+    copied = [bk.num_families * bk.size for bk in s.buckets
+              if bk.leaf_range is None and bk.internal_range is None]
+    assert s.copied_slots == max(copied, default=0)
+    for g, shared in zip(gathered, s.gather_buckets(leaf_ids, internal_ids, reuse=True)):
+        assert shared.reshape(-1, 1).tolist() == g.tolist()
+    # every slot's leaf row, N (the scatter's spare row) where a slot holds no leaf
+    for bucket, rows in zip(s.buckets, s.leaf_of_slot):
+        if rows is not None:
+            expected = [n] * (bucket.num_families * bucket.size)
+            for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):
+                expected[slot] = src
+            assert rows.tolist() == expected
     like = torch.zeros(1, 1, dtype=DT)
     leaf_rows = s.scatter_leaves(gathered, 0.5, like)
     internal_rows = s.scatter_internal(gathered, 0.5, like)
