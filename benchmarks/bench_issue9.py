@@ -46,6 +46,7 @@ each goal is judged on medians of interleaved ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -523,6 +524,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = json.loads(args.worker)
         print(json.dumps(WORKERS[job["name"]](**job["kwargs"]), default=str))
         return 0
+    if importlib.util.find_spec("h_transformer_1d") is None:  # before minutes of work
+        parser.error("the peer of the goals, h-transformer-1d, is not installed: "
+                     "pip install -e '.[bench]'")
     meta = {"threads": torch.get_num_threads(), "repeats": args.repeats,
             "torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv),
