@@ -538,15 +538,21 @@ class TreeStructure:
         for index, bucket in enumerate(self.buckets):
             parent_bucket[bucket.parent] = index
             parent_family[bucket.parent] = torch.arange(bucket.num_families, device=dev)
-        only_child = torch.full((i + 1,), m, dtype=torch.long, device=dev)
-        count = torch.bincount(torch.cat([self.leaf_parent, self.internal_parent]),
-                               minlength=i + 1)
-        child_row = torch.cat([self.leaf_parent, self.internal_parent])
-        alone = (count[child_row] == 1) & (child_row < i)
-        only_child[child_row[alone]] = torch.arange(m, device=dev)[alone]
         return FamilyIndex(members=members, node_bucket=node_bucket, node_family=node_family,
                            node_pos=node_pos, parent_bucket=parent_bucket,
-                           parent_family=parent_family, only_child=only_child)
+                           parent_family=parent_family, only_child=self.only_child)
+
+    @_lazy_field
+    def only_child(self) -> Tensor:
+        """``[I + 1]`` the unified id of the child of every internal row that has exactly
+        one child, ``M`` for the others (and for the null row)."""
+        i, m, dev = self.num_internal, self.num_nodes, self.device
+        parent_row = torch.cat([self.leaf_parent, self.internal_parent])   # by unified id
+        count = torch.bincount(parent_row, minlength=i + 1)
+        alone = (count[parent_row] == 1) & (parent_row < i)
+        out = torch.full((i + 1,), m, dtype=torch.long, device=dev)
+        out[parent_row[alone]] = torch.arange(m, device=dev)[alone]
+        return out
 
     @property
     def flat_families(self) -> Optional[Tuple[int, int]]:
@@ -1368,11 +1374,11 @@ def _causal_plan(st: TreeStructure) -> CausalPlan:
     parent_u = st.parent_unified()
     child = (parent_u >= 0).nonzero().flatten()
     par = parent_u[child]
-    siblings = torch.bincount(par, minlength=m)[par]              # family size per child
-    keep, only = siblings >= 2, siblings == 1
+    keep = torch.bincount(par, minlength=m)[par] >= 2            # members with siblings
     if not bool(keep.any()):
         return CausalPlan(levels=[], first_leaf=first)
-    lam_source = _only_child_chains(child[only], par[only], m, st.max_depth)
+    has_one = (st.only_child[:-1] < m).nonzero().flatten()        # internal rows
+    lam_source = _only_child_chains(st.only_child[has_one], has_one + n, m, st.max_depth)
     child, par = child[keep], par[keep]
     order = torch.sort(par * (n + 1) + first[child]).indices    # by family, then document
     child, par = child[order], par[order]
