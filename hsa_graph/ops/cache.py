@@ -913,7 +913,7 @@ class BatchedHSACache:
                 check), a leaf that is a root, a last leaf deeper than ``max_depth``, or
                 tokens of another shape than the cache holds.
         """
-        from .causal import _causal_hsa, _internal_lam, _leaf_lam
+        from .causal import _causal_hsa, _leaf_lam
 
         x = prepare_attention(q, k, v, tree, include_self=self.include_self,
                               scale=self.scale, check_finite=True)
@@ -938,7 +938,7 @@ class BatchedHSACache:
                                leaf_mass=False)
         size = torch.cat([st.node_size.to(dt), x.q.new_ones(1)])
         lam = torch.cat([_leaf_lam(st, x.q, x.k, self.include_self, x.scale, None),
-                         _internal_lam(st, stats, size)])                 # [M + 1, H]
+                         stats.lam_internal])                             # [M + 1, H]
         means = ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))   # leaf, internal
 
         fresh = BatchedHSACache(p, self.include_self, self.scale, self.max_depth)

@@ -295,20 +295,6 @@ def _leaf_lam(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool, scale
     return own
 
 
-def _internal_lam(st: TreeStructure, stats, size: Tensor) -> Tensor:
-    """``lam(A) = sum_C n(C)/n(A) logaddexp(lam(C), eta(C))`` from the totals of the
-    children, ``[I + 1, H]``: recovering it as ``log_mu + total`` would round with
-    ``eta(A)``, which reads right siblings (and so later leaves)."""
-    n, i = st.num_leaves, st.num_internal
-    total = torch.cat([stats.total_leaf, stats.total_internal[:-1]])
-    parent = torch.cat([st.leaf_parent, st.internal_parent])
-    weight = (size[:n + i] / size[n:][parent]).unsqueeze(-1)
-    terms = torch.where(total == NEG_INF, total, weight * total.masked_fill(
-        total == NEG_INF, 0.0))
-    lam = total.new_zeros((i + 1, total.shape[1])).index_add(0, parent, terms)
-    return lam
-
-
 class Buffers:
     """Scratch tensors that a call without autograd reuses from head chunk to head
     chunk, one per key: a fresh buffer above glibc's mmap threshold is a fresh mapping

@@ -293,6 +293,10 @@ class HSAStatistics:
             (leaves: ``None`` when computed with ``leaf_mass=False``).
         log_mu_leaf, log_mu_internal: :math:`\log \mu = \lambda - \mathrm{total}`,
             the share a node keeps inside (leaves: ``None`` likewise).
+        lam_internal: :math:`\lambda` of each internal row, from its children alone (the
+            null row sums the terms of leaves that are roots: 0 when every leaf has a
+            parent); ``log_mu + total`` would round it with :math:`\eta`, which reads the
+            right siblings too.
         bucket_lse: per bucket ``[F, H, b]``, each member row's log-sum-exp
             (``total`` for a leaf member, :math:`\eta` for an internal one).
         bucket_out: per bucket ``[F, H, b, Dv]``, the matching softmax times the values
@@ -308,6 +312,7 @@ class HSAStatistics:
     log_m_internal: Tensor
     log_mu_leaf: Optional[Tensor]
     log_mu_internal: Tensor
+    lam_internal: Tensor
     bucket_lse: List[Tensor]
     bucket_out: List[Optional[Tensor]]
 
@@ -460,7 +465,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     return HSAStatistics(rq=rq, rk=rk, rv=rv, total_leaf=total_leaf,
                          total_internal=total_internal, log_m_leaf=log_m_leaf,
                          log_m_internal=log_m_internal, log_mu_leaf=log_mu_leaf,
-                         log_mu_internal=log_mu_internal, bucket_lse=bucket_lse,
+                         log_mu_internal=log_mu_internal, lam_internal=lam_internal,
+                         bucket_lse=bucket_lse,
                          bucket_out=bucket_out)
 
 
