@@ -142,6 +142,12 @@ class FamilyBucket:
     #: family order (per-family sums are then written straight into those rows)
     parent_range: Optional[tuple] = None
 
+    @property
+    def is_view(self) -> bool:
+        """Whether :meth:`TreeStructure.gather_bucket` reads this bucket as a view of its
+        source (``leaf_range`` / ``internal_range``) instead of copying its members."""
+        return self.leaf_range is not None or self.internal_range is not None
+
 
 @dataclass(frozen=True)
 class FamilyIndex:
@@ -898,8 +904,8 @@ class TreeStructure:
     def copied_slots(self) -> int:
         """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies (not
         a view of the inputs); 0 when every bucket is a view."""
-        return max([b.num_families * b.size for b in self.buckets
-                    if b.leaf_range is None and b.internal_range is None], default=0)
+        return max([b.num_families * b.size for b in self.buckets if not b.is_view],
+                   default=0)
 
     def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor,
                        reuse: bool = False) -> Iterator[Tensor]:
@@ -928,8 +934,7 @@ class TreeStructure:
             if i in shared:
                 yield shared[i]
                 continue
-            copies = bucket.leaf_range is None and bucket.internal_range is None
-            if reuse and copies and scratch is None:
+            if reuse and not bucket.is_view and scratch is None:
                 scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))
             yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
 

@@ -226,6 +226,8 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
     # the same members through one scratch shared by the copied buckets, taken in turn
     copied = [bk.num_families * bk.size for bk in s.buckets
               if bk.leaf_range is None and bk.internal_range is None]
+    assert [not bk.is_view for bk in s.buckets] == [
+        bk.leaf_range is None and bk.internal_range is None for bk in s.buckets]
     assert s.copied_slots == max(copied, default=0)
     for g, shared in zip(gathered, s.gather_buckets(leaf_ids, internal_ids, reuse=True)):
         assert shared.reshape(-1, 1).tolist() == g.tolist()
