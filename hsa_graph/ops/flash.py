@@ -12,6 +12,10 @@ __all__ = ["cpu_flash_attention", "cpu_flash_attention_backward"]
 
 _FLASH_DTYPES = (torch.float32, torch.float64)
 
+#: Profiler scope of the one host read of these CPU kernels (whether any row's
+#: log-sum-exp gradient needs the extra passes of :func:`cpu_flash_attention_backward`).
+CPU_READ = "hsa_graph::cpu_flash_read"
+
 
 def _applies(q: Tensor, v: Tensor) -> bool:
     return (WITH_CPU_FLASH_ATTENTION and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
@@ -74,16 +78,28 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
     included, from PyTorch's fused CPU kernels, or ``None`` where they do not apply
     (then the caller recomputes them with batched matmuls).
 
-    The fused backward forms :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO
-    \odot o))` and knows nothing of :math:`\ell`, whose gradient adds
-    :math:`P \odot d\ell` to :math:`dS`, that is
+    The fused backward forms :math:`dS = P \odot (dO\, v^\top - \delta)` with
+    :math:`\delta_i = dO_i \cdot o_i`, and reads the output :math:`o` for
+    :math:`\delta` alone. The log-sum-exp's gradient adds :math:`P \odot d\ell` to
+    :math:`dS`, that is :math:`\delta_i - d\ell_i` in place of :math:`\delta_i`, so the
+    kernel is handed
+
+    .. math::
+        o'_i = o_i - \frac{d\ell_i}{\lVert dO_i \rVert^2}\, dO_i,
+        \qquad dO_i \cdot o'_i = \delta_i - d\ell_i,
+
+    and one kernel call gives all three gradients (the rounding of
+    :math:`dO_i \cdot o'_i` is that of :math:`\delta_i` and :math:`d\ell_i` apart).
+    A row whose :math:`dO_i` cannot carry its :math:`d\ell_i` (zero, or so small that
+    the quotient would overflow: e.g. a leaf whose output no loss reads) keeps
+    :math:`o_i`, and its term comes from two more passes of the fused forward over the
+    families holding such rows:
 
     .. math::
         dq \mathrel{+}= s\, d\ell \odot (P k), \qquad
-        dk \mathrel{+}= s\, P^\top (d\ell \odot q).
+        dk \mathrel{+}= s\, P^\top (d\ell \odot q),
 
-    Both come from the fused forward kernel, which reads the operands in place:
-    :math:`P k` is attention with ``k`` as its values, and :math:`P^\top` is attention
+    :math:`P k` as attention with ``k`` as its values, and :math:`P^\top` as attention
     of the keys over the queries with the additive mask
     :math:`\mathrm{bias}^\top - \ell_i` on query ``i``, whose rows are then not
     normalised (:math:`P^\top_{ji} \le 1`), so their sums come back as
@@ -141,10 +157,48 @@ _BLOCK_BYTES = 8 << 20
 def _backward_block(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], out: Tensor,
                     lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor], scale: float
                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    rest = None
+    if d_lse is not None:
+        out, rest = _fold_lse_gradient(out, d_out, d_lse)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
-    if d_lse is None:
-        return dq, dk, dv
+    if rest is not None:
+        _add_lse_gradient(q, k, bias, lse, rest, scale, dq, dk)
+    return dq, dk, dv
+
+
+def _fold_lse_gradient(out: Tensor, d_out: Tensor, d_lse: Tensor
+                       ) -> Tuple[Tensor, Optional[Tensor]]:
+    """``o'`` of :func:`cpu_flash_attention_backward` (``d_lse`` folded into the output the
+    kernel reads), and the rows' ``d_lse`` that ``d_out`` cannot carry (``None`` if
+    none)."""
+    norm2 = (d_out * d_out).sum(-1)                                          # [F, H, b]
+    limit = torch.finfo(out.dtype)
+    # |coef * d_out| = |d_lse| / |d_out| must stay far from overflow
+    carried = (norm2 >= limit.tiny) & (d_lse.abs() <= norm2.sqrt() * (limit.max * 1e-4))
+    coef = torch.where(carried, d_lse, 0.0) / torch.where(carried, norm2, 1.0)
+    folded = torch.addcmul(out, coef.unsqueeze(-1), d_out, value=-1.0)
+    rest = torch.where(carried, 0.0, d_lse)
+    # a read of a CPU tensor (these kernels run on the CPU alone), not a device sync;
+    # the scope's name lets the no-sync tests tell it apart
+    with torch.profiler.record_function(CPU_READ):
+        some = bool(rest.ne(0).any())
+    return folded, (rest if some else None)
+
+
+def _add_lse_gradient(q: Tensor, k: Tensor, bias: Optional[Tensor], lse: Tensor,
+                      d_lse: Tensor, scale: float, dq: Tensor, dk: Tensor) -> None:
+    """``dq += s d_lse (P k)``, ``dk += s P^T (d_lse q)`` over the families where
+    ``d_lse`` is not zero (see :func:`cpu_flash_attention_backward`)."""
+    families = d_lse.ne(0).flatten(1).any(1).nonzero().squeeze(1)
+    if families.numel() < q.shape[0]:
+        part_dq, part_dk = torch.zeros_like(q[families]), torch.zeros_like(k[families])
+        _add_lse_gradient(q[families], k[families],
+                          bias if bias is None or bias.shape[0] == 1 else bias[families],
+                          lse[families], d_lse[families], scale, part_dq, part_dk)
+        dq.index_add_(0, families, part_dq)
+        dk.index_add_(0, families, part_dk)
+        return
     d_lse = d_lse.unsqueeze(-1)
     p_k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, k, attn_mask=bias, scale=scale)[0]
@@ -156,4 +210,3 @@ def _backward_block(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], out
     col, col_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         k, q, torch.mul(q, d_lse, out=p_k), attn_mask=mask, scale=scale)
     dk.addcmul_(col, col_lse.exp_().unsqueeze(-1), value=scale)
-    return dq, dk, dv

@@ -65,6 +65,39 @@ def test_backward_matches_autograd_of_the_dense_reference(bias_index, with_lse_g
         torch.testing.assert_close(g, e, rtol=0, atol=1e-11, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias_index", [0, 1, 2])
+def test_lse_gradient_on_rows_without_an_output_gradient(bias_index, dtype):
+    """The log-sum-exp's gradient rides on the output gradient (the kernel reads
+    ``dO . o'``); rows where ``dO`` is zero or too small to carry it (a leaf whose output
+    no loss reads) take the extra passes, over their families alone: every mix gives
+    the dense reference's gradients."""
+    bias = biases(dtype)[bias_index]
+    q, k, v, d_out, d_lse = (t.to(dtype) for t in token_major(seed=20 + bias_index))
+    tiny = 1e-30 if dtype == torch.float32 else 1e-200
+    d_out = d_out.clone()
+    d_out[0] = 0.0                  # a whole family without output gradient
+    d_out[1, :, 2] = 0.0            # single rows, in every head
+    d_out[2, 1, :3] = tiny          # too small: |d_lse| / |dO| would overflow
+    d_out[3, 0, 4] = 1e-3           # small but carried
+    scale = 0.4
+    out, lse = cpu_flash_attention(q, k, v, bias, scale)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*leaves, bias, scale)
+    expected = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), leaves)
+    got = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, scale)
+    atol = 1e-11 if dtype == torch.float64 else 2e-5
+    for name, g, e in zip("qkv", got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=atol, msg=f"d{name}")
+    only_lse = cpu_flash_attention_backward(q, k, v, bias, out, lse, torch.zeros_like(d_out),
+                                            d_lse, scale)
+    ref_lse = reference(*leaves, bias, scale)[1]
+    expected = torch.autograd.grad((ref_lse * d_lse).sum(), leaves[:2])
+    for name, g, e in zip("qk", only_lse, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=atol, msg=f"d{name} (lse alone)")
+    assert only_lse[2].abs().max() == 0
+
+
 def test_backward_declines_where_the_kernel_does_not_apply():
     q, k, v, d_out, d_lse = token_major(seed=3)
     out, lse = reference(q, k, v, None, 0.5)

@@ -849,9 +849,21 @@ def test_forward_and_backward_do_not_synchronise(parent):
     with profile() as prof:
         hsa_graph.hsa(q, k, v, tree).sum().backward()
         hsa_graph.hsa(q, k, v, tree, include_self=False, pos=pos).sum().backward()
-    names = {event.name for event in prof.events()}
+    names = {event.name for event in prof.events() if not _in_cpu_read(event)}
     assert "aten::bmm" in names or "aten::_scaled_dot_product_flash_attention_for_cpu" in names
     assert not names & set(SYNC_OPS), names & set(SYNC_OPS)
+
+
+def _in_cpu_read(event) -> bool:
+    """Whether a profiler event runs inside the CPU kernels' one host read (of a CPU
+    tensor, so no device sync: see ``hsa_graph.ops.flash.CPU_READ``)."""
+    from hsa_graph.ops.flash import CPU_READ
+
+    while event is not None:
+        if event.name == CPU_READ:
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def test_guard_sees_a_sync():
