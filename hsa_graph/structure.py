@@ -85,6 +85,46 @@ class _LinearPass(torch.autograd.Function):
         return value if up else st._sum_down_(value)
 
 
+class _StackedMeans(torch.autograd.Function):
+    r"""The subtree means of ``T`` tensors of one shape in one recorded node: their leaf
+    parts (``[I + 1, ...]`` each, or, with ``rows = (lo, hi)``, the sums over the
+    families of the :attr:`~TreeStructure.whole_leaf_bucket`, ``[hi - lo, ...]``, zero
+    elsewhere) are written into one ``[I + 1, T, ...]`` buffer, summed bottom-up in
+    place and divided by the leaf counts; returns the ``T`` means as views of it.
+
+    One buffer forward and one backward (the gradients stacked, divided, and summed
+    top-down in place: :class:`_LinearPass`'s adjoint), where concatenating each tensor's
+    parts, stacking them and passing a copy through :class:`_LinearPass` forms three
+    full-size tensors per direction. Under ``create_graph`` the backward is recorded
+    (stack, scale and :class:`_LinearPass`), so it differentiates twice."""
+
+    @staticmethod
+    def forward(ctx, st: TreeStructure, rows: Optional[Tuple[int, int]], *parts: Tensor):
+        ctx.st, ctx.rows = st, rows
+        first = parts[0]
+        shape = (st.num_internal + 1, len(parts), *first.shape[1:])
+        buf = first.new_zeros(shape) if rows is not None else first.new_empty(shape)
+        for j, part in enumerate(parts):
+            (buf[rows[0]:rows[1], j] if rows is not None else buf[:, j]).copy_(part)
+        st._sum_up_(buf)
+        buf.mul_(st._inverse_size(buf))
+        return buf.unbind(1)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        st, rows = ctx.st, ctx.rows
+        like = next(g for g in grads if g is not None)
+        grads = [torch.zeros_like(like) if g is None else g for g in grads]
+        if torch.is_grad_enabled():
+            stacked = torch.stack(grads, 1)
+            g = _LinearPass.apply(st, stacked * st._inverse_size(stacked), False, False)
+        else:
+            g = torch.stack(grads, 1)  # this node's own buffer: divided and summed in place
+            g = st._sum_down_(g.mul_(st._inverse_size(g)))
+        parts = g.unbind(1) if rows is None else g[rows[0]:rows[1]].unbind(1)
+        return (None, None, *parts)
+
+
 class _lazy_field:
     """A field of the structure built on first use and then stored on the instance
     (``functools.cached_property`` takes a lock on Python 3.11 that ``torch.compile``
@@ -724,16 +764,19 @@ class TreeStructure:
         inplace = not records_grad(*leaf_values)
         sums_of = list(family_sums) if family_sums is not None else [None] * len(leaf_values)
         if not inplace:
-            # recorded: one autograd node for the pass and the division (_LinearPass),
-            # the tensors stacked and unbound, whose backwards are views and one stack
-            # (a select's would zero-fill a full-size gradient per tensor)
-            parts = [self.to_internal(t, family_sums=f) for t, f in zip(leaf_values, sums_of)]
-            if len({p.shape for p in parts}) > 1:  # e.g. Dv != D
+            # recorded: one autograd node for the pass and the division, over one buffer
+            # (_StackedMeans), the family sums written straight into their rows
+            if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D
+                parts = [self.to_internal(t, family_sums=f)
+                         for t, f in zip(leaf_values, sums_of)]
                 return tuple(_LinearPass.apply(self, p, True, False, self._inverse_size(p))
                              for p in parts)
-            stacked = torch.stack(parts, 1)
-            return _LinearPass.apply(self, stacked, True, False,
-                                     self._inverse_size(stacked)).unbind(1)
+            whole = self.whole_leaf_bucket
+            rows = None if whole is None else self.buckets[whole].parent_range
+            if family_sums is not None and rows is not None:
+                return _StackedMeans.apply(self, rows, *sums_of)
+            return _StackedMeans.apply(self, None, *(
+                self.to_internal(t, family_sums=f) for t, f in zip(leaf_values, sums_of)))
         if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D: one pass each
             return tuple(self.subtree_mean_of_sums(
                 self.bottom_up(self.to_internal(t, family_sums=f), inplace=True),
@@ -782,8 +825,14 @@ class TreeStructure:
                 run.copy_(run.cumsum(0))
                 d = hi + 1
                 continue
-            above = value[ptr[d - 1]:ptr[d]].index_select(0, self.level_parent[d])
-            value[ptr[d]:ptr[d + 1]].add_(above)
+            parents, children = value[ptr[d - 1]:ptr[d]], value[ptr[d]:ptr[d + 1]]
+            # in chunks of rows: each gathered chunk is heap memory reused chunk after
+            # chunk, where one gather of a large level is a fresh mapping faulted in on
+            # every call
+            step = _rows_per_chunk(value)
+            for lo in range(0, children.shape[0], step):
+                part = self.level_parent[d][lo:lo + step]
+                children[lo:lo + step].add_(parents.index_select(0, part))
             d += 1
         return value
 
@@ -1020,6 +1069,17 @@ class TreeStructure:
         Raises ``ValueError`` (``TypeError`` for a non-integer array) naming the node."""
         _check_parent(parent)
         _depth_by_pointer_jumping(parent.long())
+
+
+#: Bytes per chunk of the passes' gathered temporaries: well below glibc's largest mmap
+#: threshold (32 MiB), so that chunk after chunk reuses heap memory.
+_CHUNK_BYTES = 8 << 20
+
+
+def _rows_per_chunk(value: Tensor) -> int:
+    """Rows of ``value`` per chunk of :data:`_CHUNK_BYTES`."""
+    row = max(1, value[:1].numel() * value.element_size())
+    return max(1, _CHUNK_BYTES // row)
 
 
 def _scatter_rows(out: Tensor, sources: List[Tensor], values: List[Tensor]) -> Tensor:
