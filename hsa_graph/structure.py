@@ -1071,8 +1071,9 @@ class TreeStructure:
         _depth_by_pointer_jumping(parent.long())
 
 
-#: Bytes per chunk of the passes' gathered temporaries: well below glibc's largest mmap
-#: threshold (32 MiB), so that chunk after chunk reuses heap memory.
+#: Bytes per chunk of the passes' gathered temporaries and of the fused backward's blocks
+#: of families: well below glibc's largest mmap threshold (32 MiB), so that chunk after
+#: chunk reuses heap memory instead of mapping (and faulting in) fresh pages.
 _CHUNK_BYTES = 8 << 20
 
 

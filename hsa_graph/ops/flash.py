@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..structure import _rows_per_chunk
 from ..typing import WITH_CPU_FLASH_ATTENTION
 
 __all__ = ["cpu_flash_attention", "cpu_flash_attention_backward"]
@@ -128,7 +129,7 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
         return grads[0][..., :d], grads[1][..., :d], grads[2][..., :dv]
     q, k, v, out, d_out = _unit_stride(q, k, v, out, d_out)
     f = q.shape[0]
-    step = max(1, _BLOCK_BYTES // max(1, q[:1].numel() * q.element_size()))
+    step = _rows_per_chunk(q)
     if step >= f:
         return _backward_block(q, k, v, bias, out, lse, d_out, d_lse, scale)
     # Blocks of families: every temporary (the kernels' outputs, zero-filled gradients,
@@ -148,10 +149,6 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
     return tuple(grads)
 
 
-#: Bytes of ``q`` per block of families in :func:`cpu_flash_attention_backward`: below
-#: glibc's largest mmap threshold (32 MiB), so that the blocks' temporaries reuse heap
-#: memory instead of mapping (and faulting in) fresh pages.
-_BLOCK_BYTES = 8 << 20
 
 
 def _backward_block(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], out: Tensor,
