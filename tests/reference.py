@@ -278,8 +278,10 @@ def dense_hsa_weights(parent, q: Tensor, k: Tensor, include_self: bool = True,
             continue  # no sibling pairs, or no mass ever reaches p
         # denominators logaddexp(lam(A), eta(A)); eta(A) is finite (A has siblings)
         denom = torch.stack([_lae(lam[a], eta[a]) for a in chd], dim=-1)  # [H, b]
+        # A != B only; masked before exp so that a huge z(A, A) gives no inf * 0 = nan
+        # in the backward
+        zp = zp.masked_fill(torch.eye(len(chd), dtype=torch.bool), float("-inf"))
         w = torch.exp(log_m[p][:, None, None] + zp - denom[:, :, None])  # [H, A, B]
-        w = w.masked_fill(torch.eye(len(chd), dtype=torch.bool), 0.0)  # A != B only
         pieces.append(_spread_family(tree, p, w))
 
     if include_self:  # theta[i, i] = m(i)

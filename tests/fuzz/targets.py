@@ -110,9 +110,25 @@ def check_hsa(tree: NestedSignal, seed: int, scale_exp: int = 0, include_self: b
     v = torch.randn(n, 2, 2, generator=g, dtype=torch.float64)
     pos = torch.randn(m, 2, 2, generator=g, dtype=torch.float64) if with_pos else None
     q = q * 10.0 ** scale_exp
-    y = hsa(q, k, v, tree, include_self=include_self, pos=pos)
-    ref = dense_hsa(parent, q, k, v, include_self=include_self, pos=pos)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = hsa(*inputs, tree, include_self=include_self, pos=pos)
+    ref = dense_hsa(parent, *ref_inputs, include_self=include_self, pos=pos)
     torch.testing.assert_close(y, ref, rtol=1e-7, atol=1e-9)
+    if n:
+        # Rows with a zero or tiny output gradient take the fused backward's fallback
+        # for the log-sum-exp's gradient; the others fold it into the output.
+        weights = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        row_scale = torch.tensor([1.0, 0.0, 1e-300, 1e-8])[
+            torch.randint(0, 4, (n,), generator=g)].to(torch.float64)
+        weights = weights * row_scale.view(-1, 1, 1)
+        (y * weights).sum().backward()
+        (ref * weights).sum().backward()
+        for ours, theirs in zip(inputs, ref_inputs):
+            expected = theirs.grad if theirs.grad is not None else torch.zeros_like(ours)
+            # logits of size 10^e carry rounding of 10^e ulps into every gradient
+            scale = max(1.0, float(expected.abs().max())) * 10.0 ** max(0, scale_exp)
+            torch.testing.assert_close(ours.grad, expected, rtol=1e-7, atol=1e-9 * scale)
     y32 = hsa(q.float(), k.float(), v.float(), tree, include_self=include_self,
               pos=None if pos is None else pos.float())
     assert bool(torch.isfinite(y32).all())
