@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from itertools import groupby
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -170,8 +170,8 @@ class FamilyBucket:
     leaf_range: Optional[tuple] = None
     #: when the bucket is exactly ``internal[start : start + F * b]``
     internal_range: Optional[tuple] = None
-    #: mixed buckets: ``(start, L)`` when the first ``L`` slots of every family hold the
-    #: leaves ``start + family * L + j`` (a view of the leaf rows) and the other slots
+    #: mixed buckets: ``(start, L)`` when the first ``L >= 2`` slots of every family hold
+    #: the leaves ``start + family * L + j`` (a view of the leaf rows) and the other slots
     #: the internal members ``internal_src`` (a caterpillar's families, e.g.)
     leaf_block: Optional[tuple] = None
     #: ``[F * b]`` leaf row of every slot, for buckets of leaves only (no range)
@@ -392,9 +392,9 @@ class TreeStructure:
             ``d`` as an offset into depth ``d - 1`` (empty for ``d = 0``).
         buckets: the sibling families, grouped by padded size.
         lonely_leaf: leaves without siblings (only child, or a root), in no bucket.
-        leaf_out_index: ``[N]`` row of each leaf in the concatenated slots of the
-            buckets holding leaves (in bucket order), one past the end for a lonely
-            leaf: :meth:`scatter_leaves` is then one gather.
+        leaf_out_index: ``[N]`` row of each leaf in the concatenated rows that
+            :meth:`scatter_leaves` takes from the buckets holding leaves (in bucket
+            order), one past the end for a lonely leaf: it is then one gather.
         flat_trees: the forest's blocks (:class:`FlatTrees`) when every tree is a root
             over its leaves (and padding them to one length at most doubles the rows),
             else ``None``: attention there is attention inside blocks.
@@ -889,11 +889,8 @@ class TreeStructure:
                     else internal_values[lo:hi])
             return rows.reshape(f, b, *rest)
         if bucket.leaf_block is not None:  # leaves in place, internal members appended
-            lo, per_family = bucket.leaf_block
-            inner = internal_values.index_select(0, bucket.internal_src)
-            return torch.cat([leaf_values[lo:lo + f * per_family].view(f, per_family, *rest),
-                              inner.view(f, b - per_family, *rest)], 1,
-                             out=into((f, b, *rest)))
+            return torch.cat(self.leaf_block_members(bucket, leaf_values, internal_values),
+                             1, out=into((f, b, *rest)))
         # index_select copies whole rows; advanced indexing (values[index]) runs the
         # generic element-wise kernel, several times slower on [N, H, D] rows
         if bucket.leaf_gather is not None:
@@ -914,6 +911,18 @@ class TreeStructure:
         out.index_copy_(0, bucket.internal_slot,
                         internal_values.index_select(0, bucket.internal_src))
         return out.view(f, b, *rest)
+
+    def leaf_block_members(self, bucket: FamilyBucket, leaf_values: Tensor,
+                           internal_values: Tensor) -> Tuple[Tensor, Tensor]:
+        """The two parts of a :attr:`~FamilyBucket.leaf_block` bucket's members: its
+        leaves ``[F, L, ...]``, a view of the leaf rows, and its internal members
+        ``[F, b - L, ...]``, gathered. Attention over such a bucket reads the leaves in
+        place instead of copying every member into one ``[F, b, ...]`` block."""
+        lo, per_family = bucket.leaf_block
+        f, rest = bucket.num_families, leaf_values.shape[1:]
+        leaves = leaf_values[lo:lo + f * per_family].view(f, per_family, *rest)
+        inner = internal_values.index_select(0, bucket.internal_src)
+        return leaves, inner.view(f, bucket.size - per_family, *rest)
 
     @_lazy_field
     def shared_gathers(self) -> Tuple[Tuple[str, Tuple[int, ...], Tensor, Tuple[int, ...]], ...]:
@@ -951,13 +960,16 @@ class TreeStructure:
 
     @_lazy_field
     def copied_slots(self) -> int:
-        """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies (not
-        a view of the inputs); 0 when every bucket is a view."""
-        return max([b.num_families * b.size for b in self.buckets if not b.is_view],
-                   default=0)
+        """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies into a
+        scratch (not a view of the inputs, nor a :attr:`~FamilyBucket.leaf_block`
+        bucket, which :meth:`gather_buckets` yields in two parts or copies alone); 0
+        when there is none."""
+        return max([b.num_families * b.size for b in self.buckets
+                    if not b.is_view and b.leaf_block is None], default=0)
 
     def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor,
-                       reuse: bool = False) -> Iterator[Tensor]:
+                       reuse: bool = False, split_leaf_blocks: bool = False
+                       ) -> Iterator[Union[Tensor, Tuple[Tensor, Tensor]]]:
         """:meth:`gather_bucket` of every bucket, in bucket order, one at a time (a
         generator). With ``reuse`` (the caller's promise that it keeps no yielded tensor
         past the next, and that no autograd graph saves one) every copied bucket is
@@ -968,7 +980,9 @@ class TreeStructure:
         39 ms into a fresh 61 MB copy, 12.5 ms into a reused one).
         Where autograd records, the buckets that read by index (ragged families) share
         one gather per source: the backward of a gather zero-fills a gradient of the
-        whole source, once for all those buckets instead of once per bucket."""
+        whole source, once for all those buckets instead of once per bucket.
+        With ``split_leaf_blocks`` a :attr:`~FamilyBucket.leaf_block` bucket is yielded
+        as :meth:`leaf_block_members` (leaves in place, internal members gathered)."""
         shared = {}
         scratch = None
         if records_grad(leaf_values, internal_values):
@@ -983,6 +997,11 @@ class TreeStructure:
             if i in shared:
                 yield shared[i]
                 continue
+            if bucket.leaf_block is not None:
+                yield (self.leaf_block_members(bucket, leaf_values, internal_values)
+                       if split_leaf_blocks else
+                       self.gather_bucket(bucket, leaf_values, internal_values))
+                continue
             if reuse and not bucket.is_view and scratch is None:
                 scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))
             yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
@@ -991,7 +1010,9 @@ class TreeStructure:
                        like: Tensor) -> Tensor:
         """Inverse of :meth:`gather_bucket` for the leaves: per-slot rows
         ``[F * b, ...]`` of each bucket (``None`` or ignored for buckets without
-        leaves) -> ``[N, ...]``, ``fill`` for leaves in no family."""
+        leaves) -> ``[N, ...]``, ``fill`` for leaves in no family. A
+        :attr:`~FamilyBucket.leaf_block` bucket gives the rows of its leaves alone,
+        ``[F * L, ...]`` (the first part of :meth:`leaf_block_members`)."""
         whole = self.whole_leaf_bucket
         if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
             return per_bucket[whole]
@@ -1009,9 +1030,7 @@ class TreeStructure:
                     out[bucket.leaf_range[0]:bucket.leaf_range[1]].copy_(rows)
                 elif bucket.leaf_block is not None:
                     lo, per_family = bucket.leaf_block
-                    f, rest = bucket.num_families, rows.shape[1:]
-                    out[lo:lo + f * per_family].view(f, per_family, *rest).copy_(
-                        rows.view(f, bucket.size, *rest)[:, :per_family])
+                    out[lo:lo + bucket.num_families * per_family].copy_(rows)
                 elif rows.shape[0] == bucket.leaf_slot.numel():  # every slot a leaf, in order
                     out.index_copy_(0, bucket.leaf_src, rows)
                 else:
@@ -1027,20 +1046,23 @@ class TreeStructure:
     def scatter_internal(self, per_bucket: List[Optional[Tensor]], fill: float,
                          like: Tensor, row_scale: Optional[List[Optional[Tensor]]] = None
                          ) -> Tensor:
-        """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]``.
-        ``row_scale``: per bucket ``[F * b, ...]`` factors (leading dims of the rows),
-        applied to the internal members' rows only (not to every slot first)."""
+        """As :meth:`scatter_leaves`, for internal members: ``[I + 1, ...]`` (a
+        :attr:`~FamilyBucket.leaf_block` bucket gives the rows of its internal members
+        alone, ``[F * (b - L), ...]``). ``row_scale``: per bucket factors of the same
+        rows (leading dims), applied to the internal members' rows only (not to every
+        slot first)."""
         sources, values = [], []
         scales = row_scale if row_scale is not None else [None] * len(per_bucket)
         for bucket, rows, scale in zip(self.buckets, per_bucket, scales):
             if bucket.internal_slot.numel():
                 sources.append(bucket.internal_src)
-                member = rows.index_select(0, bucket.internal_slot)
+                if bucket.leaf_block is None:  # every slot given: pick the members
+                    rows = rows.index_select(0, bucket.internal_slot)
+                    if scale is not None:
+                        scale = scale.index_select(0, bucket.internal_slot)
                 if scale is not None:
-                    scale = scale.index_select(0, bucket.internal_slot)
-                    member = member * scale.view(*scale.shape,
-                                                 *([1] * (member.dim() - scale.dim())))
-                values.append(member)
+                    rows = rows * scale.view(*scale.shape, *([1] * (rows.dim() - scale.dim())))
+                values.append(rows)
         return _scatter_rows(like.new_full((self.num_internal + 1, *like.shape[1:]), fill),
                              sources, values)
 
@@ -1208,12 +1230,18 @@ def _build(parent: Tensor) -> TreeStructure:
     buckets = _family_buckets(parent_row, size, n, i, device)
     family_size = torch.bincount(parent_row, minlength=i + 1)
     lonely_leaf = (family_size[leaf_parent] < 2).logical_or(leaf_parent == i).nonzero().flatten()
-    # each leaf's row in the slots of the leaf-holding buckets, concatenated in bucket
-    # order; lonely leaves read the fill row after the last bucket (one loop per bucket)
+    # each leaf's row in the rows scatter_leaves takes from the leaf-holding buckets
+    # (every slot; a leaf_block bucket's leaves alone), concatenated in bucket order;
+    # lonely leaves read the fill row after the last bucket (one loop per bucket)
     leaf_out_index = torch.empty(n, dtype=torch.long, device=device)
     offset = 0
     for bucket in buckets:
-        if bucket.leaf_slot.numel():
+        if bucket.leaf_block is not None:
+            lo, per_family = bucket.leaf_block
+            rows = bucket.num_families * per_family
+            leaf_out_index[lo:lo + rows] = torch.arange(offset, offset + rows, device=device)
+            offset += rows
+        elif bucket.leaf_slot.numel():
             leaf_out_index[bucket.leaf_src] = bucket.leaf_slot + offset
             offset += bucket.num_families * bucket.size
     leaf_out_index[lonely_leaf] = offset
@@ -1409,7 +1437,7 @@ def _leaf_block(src: Tensor, slot: Tensor, num_fam: int, size: int) -> Optional[
     """``(start, L)`` when the leaves of a full mixed bucket fill the first ``L`` slots of
     every family with consecutive leaf rows (see :attr:`FamilyBucket.leaf_block`)."""
     per_family, rem = divmod(src.numel(), num_fam)
-    if rem or per_family == 0:
+    if rem or per_family < 2:  # one leaf: nothing to gain, and no leaf-only softmax
         return None
     device = src.device
     expected_slot = (torch.arange(num_fam, device=device)[:, None] * size

@@ -224,13 +224,33 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
                 assert got == 0.0 or got in members, f"padding slot {slot} holds {got}"
         gathered.append(g.reshape(-1, 1))
     # the same members through one scratch shared by the copied buckets, taken in turn
-    copied = [bk.num_families * bk.size for bk in s.buckets
-              if bk.leaf_range is None and bk.internal_range is None]
+    # (leaf_block buckets are copied alone, or yielded in two parts: no scratch)
+    copied = [bk.num_families * bk.size for bk in s.buckets if bk.leaf_range is None
+              and bk.internal_range is None and bk.leaf_block is None]
     assert [not bk.is_view for bk in s.buckets] == [
         bk.leaf_range is None and bk.internal_range is None for bk in s.buckets]
     assert s.copied_slots == max(copied, default=0)
     for g, shared in zip(gathered, s.gather_buckets(leaf_ids, internal_ids, reuse=True)):
         assert shared.reshape(-1, 1).tolist() == g.tolist()
+    # split: a leaf_block bucket as (its leaves, a view of the leaf rows; its internal
+    # members), the others as before; the scatters take those parts' rows
+    to_scatter = {"leaf": [], "internal": []}
+    for bucket, g, part in zip(s.buckets, gathered, s.gather_buckets(
+            leaf_ids, internal_ids, reuse=True, split_leaf_blocks=True)):
+        if bucket.leaf_block is None:
+            assert part.reshape(-1, 1).tolist() == g.tolist()
+            to_scatter["leaf"].append(g)
+            to_scatter["internal"].append(g)
+            continue
+        leaves, inner = part
+        lo, per_family = bucket.leaf_block
+        f = bucket.num_families
+        assert leaves.shape == (f, per_family, 1)
+        assert inner.shape == (f, bucket.size - per_family, 1)
+        assert leaves.data_ptr() == leaf_ids[lo].data_ptr()  # in place
+        assert torch.cat([leaves, inner], 1).reshape(-1, 1).tolist() == g.tolist()
+        to_scatter["leaf"].append(leaves.reshape(-1, 1))
+        to_scatter["internal"].append(inner.reshape(-1, 1))
     # every slot's leaf row, N (the scatter's spare row) where a slot holds no leaf
     for bucket, rows in zip(s.buckets, s.leaf_of_slot):
         if rows is not None:
@@ -239,8 +259,13 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
                 expected[slot] = src
             assert rows.tolist() == expected
     like = torch.zeros(1, 1, dtype=DT)
-    leaf_rows = s.scatter_leaves(gathered, 0.5, like)
-    internal_rows = s.scatter_internal(gathered, 0.5, like)
+    leaf_rows = s.scatter_leaves(to_scatter["leaf"], 0.5, like)
+    internal_rows = s.scatter_internal(to_scatter["internal"], 0.5, like)
+    # recorded: the scatters' one-gather paths read the same rows
+    grads = [t.clone().requires_grad_() for t in to_scatter["leaf"]]
+    assert s.scatter_leaves(grads, 0.5, like).tolist() == leaf_rows.tolist()
+    grads = [t.clone().requires_grad_() for t in to_scatter["internal"]]
+    assert s.scatter_internal(grads, 0.5, like).tolist() == internal_rows.tolist()
     in_family = {u for kids in families.values() for u in kids}
     assert leaf_rows.reshape(-1).tolist() == [float(r + 1) if u in in_family else 0.5
                                               for r, u in enumerate(b.leaves)]

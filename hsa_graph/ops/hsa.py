@@ -20,7 +20,7 @@ alone costs; no tensor of size ``E x H x D`` over sibling pairs is formed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,6 +33,10 @@ from .inputs import AttentionInputs, no_autocast, prepare_attention
 __all__ = ["hsa"]
 
 NEG_INF = float("-inf")
+
+#: a bucket's per-member rows, ``[F, H, b, ...]``; a leaf_block bucket's in two parts,
+#: its leaves' ``[F, H, L, ...]`` and its internal members' ``[F, H, b - L, ...]``
+BucketRows = Union[Tensor, Tuple[Tensor, Tensor]]
 
 
 class _LogAddExp(torch.autograd.Function):
@@ -248,6 +252,74 @@ def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
     return bias
 
 
+def _block_diagonal(x: Tensor) -> Tensor:
+    """``[F, A, B, H]`` -> ``[F, H * A, H * B]``, head ``h``'s ``[A, B]`` block on the
+    diagonal: one batched matmul then serves every head of a token-major ``[F, n, H, A]``
+    operand without a head-major copy of it."""
+    f, a, b, h = x.shape
+    return torch.diag_embed(x, dim1=1, dim2=3).reshape(f, h * a, h * b)
+
+
+def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...],
+                          internal_members: Tuple[Tensor, ...], include_self: bool,
+                          scale: float) -> Tuple[BucketRows, BucketRows]:
+    r"""The family softmax of a :attr:`~hsa_graph.structure.FamilyBucket.leaf_block`
+    bucket (``L`` leaves in place and ``E`` internal members per family) without
+    copying the leaves: the ``(out [F, H, b, Dv], lse [F, H, b])`` of
+    :class:`_FamilyAttention` over the gathered members, each in two parts (the leaves'
+    rows, the internal members'; see :data:`BucketRows`), computed in parts whose
+    log-sum-exps combine, :math:`\ell = \log(e^{\ell_1} + e^{\ell_2})`,
+    :math:`o = e^{\ell_1 - \ell} o_1 + e^{\ell_2 - \ell} o_2`:
+
+    * leaf queries over the leaf keys: the fused kernel on views of the leaf rows;
+    * leaf queries over the internal keys: ``[F, L, H, E]`` logits from one batched
+      matmul against the keys laid out block-diagonally by head (so the leaf rows are
+      read as they lie, token-major; the operand costs ``H`` times the internal
+      members' bytes), and their values added the same way into the output;
+    * internal queries over the leaf keys (fused kernel) and over the other internal
+      members (fused kernel, ``-inf`` on the diagonal; none when ``E = 1``).
+
+    Inputs are ``[F, L, H, D]`` and ``[F, E, H, D]`` (queries, keys, values).
+    """
+    (q_l, k_l, v_l), (q_e, k_e, v_e) = leaf_members, internal_members
+    f, n_l, h = q_l.shape[:3]
+    n_e, dv = q_e.shape[1], v_l.shape[-1]
+    log_n = bucket.log_size[:, n_l:].to(q_l.dtype)                          # [F, E]
+    inplace = not records_grad(q_l, k_l, v_l, q_e, k_e, v_e)
+
+    def heads(t: Tensor) -> Tensor:
+        return t.transpose(1, 2)
+
+    no_self = None if include_self else torch.zeros(
+        n_l, n_l, dtype=q_l.dtype, device=q_l.device).fill_diagonal_(NEG_INF).view(
+            1, 1, n_l, n_l)
+    out_ll, lse_ll = _FamilyAttention.apply(heads(q_l), heads(k_l), heads(v_l), no_self,
+                                            scale)
+    logits = torch.bmm(q_l.reshape(f, n_l, -1), _block_diagonal(k_e.permute(0, 3, 1, 2)))
+    logits = logits.view(f, n_l, h, n_e) * scale + log_n[:, None, None, :]  # [F, L, H, E]
+    lse_l = _logaddexp(heads(lse_ll), torch.logsumexp(logits, -1))          # [F, L, H]
+    keep = torch.exp(heads(lse_ll) - lse_l).unsqueeze(-1)
+    share = torch.exp(logits - lse_l.unsqueeze(-1)).view(f, n_l, h * n_e)
+    values = _block_diagonal(v_e.permute(0, 1, 3, 2))                       # [F, HE, HDv]
+
+    out_e, lse_e = _FamilyAttention.apply(heads(q_e), heads(k_l), heads(v_l), None, scale)
+    if n_e > 1:
+        bias = log_n[:, None, None, :].expand(f, 1, n_e, n_e).clone()
+        bias.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
+        out_ee, lse_ee = _FamilyAttention.apply(heads(q_e), heads(k_e), heads(v_e), bias,
+                                                scale)
+        both = _logaddexp(lse_e, lse_ee)
+        out_e = (torch.exp(lse_e - both).unsqueeze(-1) * out_e
+                 + torch.exp(lse_ee - both).unsqueeze(-1) * out_ee)
+        lse_e = both
+    rows = heads(out_ll)
+    if inplace and rows.is_contiguous():  # the fused kernel's token-major output, updated
+        rows.mul_(keep).view(f, n_l, h * dv).baddbmm_(share, values)   # where it lies
+    else:
+        rows = torch.baddbmm((heads(out_ll) * keep).reshape(f, n_l, h * dv), share, values)
+    return ((heads(rows.view(f, n_l, h, dv)), out_e), (heads(lse_l), lse_e))
+
+
 class _RowDots(torch.autograd.Function):
     """``<q_i, k_i>`` per row and head, ``[n, H]``, without an ``[n, H, D]`` product:
     one batched matmul forward, and a backward of two scaled copies (the einsum's own
@@ -301,6 +373,9 @@ class HSAStatistics:
             (``total`` for a leaf member, :math:`\eta` for an internal one).
         bucket_out: per bucket ``[F, H, b, Dv]``, the matching softmax times the values
             (``None`` without values).
+            A :attr:`~hsa_graph.structure.FamilyBucket.leaf_block` bucket's entries
+            are in two parts, its ``L`` leaves' rows and its internal members' rows
+            (``[F, H, L, ...]``, ``[F, H, b - L, ...]``), as the scatters take them.
     """
 
     rq: Optional[Tensor]
@@ -313,8 +388,8 @@ class HSAStatistics:
     log_mu_leaf: Optional[Tensor]
     log_mu_internal: Tensor
     lam_internal: Tensor
-    bucket_lse: List[Tensor]
-    bucket_out: List[Optional[Tensor]]
+    bucket_lse: List[BucketRows]
+    bucket_out: List[Optional[BucketRows]]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -322,15 +397,26 @@ def _rows(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], *t.shape[3:])
 
 
-def _leaf_rows(st: TreeStructure, per_bucket: List[Tensor], fill: float, like: Tensor):
-    return st.scatter_leaves([_rows(t) if b.leaf_slot.numel() else None
+def _leaf_part(t: BucketRows) -> Tensor:
+    """The rows of a bucket that hold its leaves: every slot, or a leaf_block bucket's
+    first part."""
+    return t[0] if isinstance(t, tuple) else t
+
+
+def _internal_part(t: BucketRows) -> Tensor:
+    """As :func:`_leaf_part`, for the internal members."""
+    return t[1] if isinstance(t, tuple) else t
+
+
+def _leaf_rows(st: TreeStructure, per_bucket: List[BucketRows], fill: float, like: Tensor):
+    return st.scatter_leaves([_rows(_leaf_part(t)) if b.leaf_slot.numel() else None
                               for b, t in zip(st.buckets, per_bucket)], fill, like)
 
 
-def _internal_rows(st: TreeStructure, per_bucket: List[Optional[Tensor]], fill: float,
-                   like: Tensor, row_scale: Optional[List[Tensor]] = None):
+def _internal_rows(st: TreeStructure, per_bucket: List[Optional[BucketRows]], fill: float,
+                   like: Tensor, row_scale: Optional[List[BucketRows]] = None):
     def rows(tensors):
-        return [_rows(t) if b.internal_slot.numel() else None
+        return [_rows(_internal_part(t)) if b.internal_slot.numel() else None
                 for b, t in zip(st.buckets, tensors)]
     return st.scatter_internal(rows(per_bucket), fill, like,
                                None if row_scale is None else rows(row_scale))
@@ -414,22 +500,30 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), fscale = (
         _family_operands(q, k, v, (rq, rk, rv), pos_leaf, pos_internal, scale))
 
-    bucket_out: List[Optional[Tensor]] = []
-    bucket_lse: List[Tensor] = []
+    bucket_out: List[Optional[BucketRows]] = []
+    bucket_lse: List[BucketRows] = []
     # one bucket's members at a time; where no graph saves them, each operand's copies
     # share one scratch
     operands = ((fq_leaf, fq_internal), (fk_leaf, fk_internal), (fv_leaf, fv_internal))
     reuse = not records_grad(*(t for pair in operands for t in pair))
-    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse)
+    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse, split_leaf_blocks=True)
                     for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]
+        elif bucket.leaf_block is not None:  # (leaves, internal members) per operand
+            out, lse = _leaf_block_attention(bucket, (bq[0], bk[0], bv[0]),
+                                             (bq[1], bk[1], bv[1]), include_self, fscale)
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
             out, lse = _FamilyAttention.apply(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
                 _bucket_bias(bucket, include_self, q.dtype), fscale)
-        bucket_out.append(None if v is None else out[..., :v.shape[-1]])
+        if v is None:
+            out = None
+        else:  # without the zero features of widened values
+            out = (tuple(t[..., :v.shape[-1]] for t in out) if isinstance(out, tuple)
+                   else out[..., :v.shape[-1]])
+        bucket_out.append(out)
         bucket_lse.append(lse)
 
     like = q[:, :, 0]
@@ -591,7 +685,10 @@ def _hsa(x: AttentionInputs) -> Tensor:
     weights = []
     for bucket in st.buckets:
         w = m_internal.index_select(0, bucket.parent).unsqueeze(-1)   # [F, H, 1]
-        if bucket.internal_slot.numel():
+        if bucket.leaf_block is not None:  # its leaves weigh m(pa) alone
+            sent = st.leaf_block_members(bucket, ones, sends)[1]
+            w = (w, w * sent.transpose(1, 2))
+        elif bucket.internal_slot.numel():
             w = w * st.gather_bucket(bucket, ones, sends).transpose(1, 2)   # [F, H, b]
         weights.append(w)
 
@@ -608,7 +705,8 @@ def _hsa(x: AttentionInputs) -> Tensor:
             rows.append(None)
             continue
         above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
-        out, w = out.transpose(1, 2), w.transpose(1, 2).unsqueeze(-1)
+        out = _leaf_part(out).transpose(1, 2)
+        w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
         if inplace:  # the family output is this call's own buffer: written once more
             y = torch.addcmul(above, out, w, out=out)
         else:

@@ -989,6 +989,51 @@ def test_bucket_layouts_match_reference(name, include_self):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
+LEAF_BLOCK_TREES = {  # families of L >= 2 leaves in place plus E internal members
+    "one_internal": [-1, 0, 1, 2] + [0] * 3 + [1] * 3 + [2] * 3 + [3] * 2,
+    "two_internal": [-1, 0, 0] + [0] * 3 + [1] * 3 + [2] * 3,
+    "two_leaves": [-1, 0, 1] + [0] * 2 + [1] * 2 + [2] * 2,
+}
+
+
+@pytest.mark.parametrize("with_pos", [False, True])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("name", sorted(LEAF_BLOCK_TREES))
+def test_leaf_block_buckets_match_reference(name, include_self, with_pos):
+    """A leaf_block bucket attends with its leaves in place, in parts whose
+    log-sum-exps combine: output and gradients against the dense reference, with and
+    without autograd (the no-grad path updates the fused kernel's output in place)."""
+    parent = LEAF_BLOCK_TREES[name]
+    tree = make_tree(parent)
+    assert any(b.leaf_block is not None for b in tree.structure.buckets)
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=8)
+    pos = (torch.randn(t.num_nodes, 3, generator=torch.Generator().manual_seed(2),
+                       dtype=DT) if with_pos else None)
+    inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    y = hsa_graph.hsa(*inputs, tree, include_self=include_self, pos=pos)
+    y_ref = dense_hsa(parent, *inputs, include_self=include_self, pos=pos)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(hsa_graph.hsa(q, k, v, tree, include_self=include_self,
+                                                 pos=pos), y_ref, **TOL)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
+    for a, b, n in zip(_grads((w * y).sum(), inputs), _grads((w * y_ref).sum(), inputs),
+                       "qkv"):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def test_leaf_block_buckets_double_backward():
+    parent = LEAF_BLOCK_TREES["two_internal"]
+    tree, t = make_tree(parent), Tree(parent)
+    inputs = [x.requires_grad_(True)
+              for x in random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=9)[:3]]
+    for include_self in (True, False):
+        def f(q, k, v, include_self=include_self):
+            return hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+        assert torch.autograd.gradgradcheck(f, inputs)
+
+
 def _forest(parents):
     """The trees of ``parents`` as one forest, nodes numbered tree after tree."""
     out, offset = [], 0
@@ -1006,8 +1051,8 @@ def test_every_bucket_kind_in_one_tree(grad):
     parent = _forest(LAYOUT_TREES[name] for name in sorted(LAYOUT_TREES))
     st = make_tree(parent).structure
     copied = [b for b in st.buckets if not b.is_view]
-    assert len(copied) >= 3 and st.copied_slots == max(b.num_families * b.size
-                                                       for b in copied)
+    assert len(copied) >= 3 and st.copied_slots == max(  # leaf_block buckets: no scratch
+        b.num_families * b.size for b in copied if b.leaf_block is None)
     t = Tree(parent)
     q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=6)
     with torch.set_grad_enabled(grad):
