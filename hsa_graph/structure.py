@@ -924,6 +924,21 @@ class TreeStructure:
         inner = internal_values.index_select(0, bucket.internal_src)
         return leaves, inner.view(f, bucket.size - per_family, *rest)
 
+    def leaf_block_window(self, bucket: FamilyBucket, leaf_values: Tensor, width: int
+                          ) -> Optional[Tensor]:
+        """A :attr:`~FamilyBucket.leaf_block` bucket's leaves, each family's followed by
+        the next ``width - L`` leaf rows (the next family's first leaves, not its
+        members): an overlapping ``[F, width, ...]`` view, read-only, for kernels that
+        run faster over a wider key block whose extra keys the caller masks. ``None``
+        where the last family's window would run past ``leaf_values``."""
+        lo, per_family = bucket.leaf_block
+        f = bucket.num_families
+        if width < per_family or lo + f * per_family + width - per_family > leaf_values.shape[0]:
+            return None
+        rows = leaf_values[lo:]
+        return rows.as_strided((f, width, *rows.shape[1:]),
+                               (per_family * rows.stride(0), *rows.stride()))
+
     @_lazy_field
     def shared_gathers(self) -> Tuple[Tuple[str, Tuple[int, ...], Tensor, Tuple[int, ...]], ...]:
         """For leaf and for internal values, when two or more buckets read their members
@@ -1006,31 +1021,51 @@ class TreeStructure:
                 scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))
             yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
 
+    def new_leaf_rows(self, like: Tensor) -> Tensor:
+        """An uninitialised ``[N + 1, ...]`` buffer (the last row spare) for the ``out``
+        of :meth:`scatter_leaves`, where :meth:`leaf_rows_in` shows its callers where to
+        write the buckets whose leaves lie in one block."""
+        return like.new_empty((self.num_leaves + 1, *like.shape[1:]))
+
+    def leaf_rows_in(self, out: Tensor, bucket: FamilyBucket) -> Optional[Tensor]:
+        """The rows of ``out`` (from :meth:`new_leaf_rows`) that hold ``bucket``'s leaf
+        rows as :meth:`scatter_leaves` takes them, where they lie in one block
+        (:attr:`~FamilyBucket.leaf_range`: ``[F * b, ...]``,
+        :attr:`~FamilyBucket.leaf_block`: ``[F * L, ...]``); ``None`` otherwise. Rows
+        written there are not copied again."""
+        if bucket.leaf_range is not None:
+            return out[bucket.leaf_range[0]:bucket.leaf_range[1]]
+        if bucket.leaf_block is not None:
+            lo, per_family = bucket.leaf_block
+            return out[lo:lo + bucket.num_families * per_family]
+        return None
+
     def scatter_leaves(self, per_bucket: List[Optional[Tensor]], fill: float,
-                       like: Tensor) -> Tensor:
+                       like: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """Inverse of :meth:`gather_bucket` for the leaves: per-slot rows
         ``[F * b, ...]`` of each bucket (``None`` or ignored for buckets without
         leaves) -> ``[N, ...]``, ``fill`` for leaves in no family. A
         :attr:`~FamilyBucket.leaf_block` bucket gives the rows of its leaves alone,
-        ``[F * L, ...]`` (the first part of :meth:`leaf_block_members`)."""
+        ``[F * L, ...]`` (the first part of :meth:`leaf_block_members`). ``out``: the
+        buffer to fill where autograd records nothing (:meth:`new_leaf_rows`; rows
+        already in their place in it, :meth:`leaf_rows_in`, are not copied)."""
         whole = self.whole_leaf_bucket
-        if whole is not None:  # every leaf sits, in order, in one bucket: no copy needed
+        if whole is not None and out is None:  # every leaf in order in one bucket
             return per_bucket[whole]
         if not records_grad(*per_bucket):
             # each bucket's leaf rows written once into the output, as views where the
             # leaves are in place (the gather below copies every row twice); a last
             # row takes the slots that hold no leaf (see leaf_of_slot)
-            out = like.new_empty((self.num_leaves + 1, *like.shape[1:]))
+            out = self.new_leaf_rows(like) if out is None else out
             if self.lonely_leaf.numel():
                 out.index_fill_(0, self.lonely_leaf, fill)
             for bucket, rows, slot_rows in zip(self.buckets, per_bucket, self.leaf_of_slot):
                 if not bucket.leaf_slot.numel():
                     continue
-                if bucket.leaf_range is not None:
-                    out[bucket.leaf_range[0]:bucket.leaf_range[1]].copy_(rows)
-                elif bucket.leaf_block is not None:
-                    lo, per_family = bucket.leaf_block
-                    out[lo:lo + bucket.num_families * per_family].copy_(rows)
+                block = self.leaf_rows_in(out, bucket)
+                if block is not None:
+                    if not _same_view(block, rows):
+                        block.copy_(rows)
                 elif rows.shape[0] == bucket.leaf_slot.numel():  # every slot a leaf, in order
                     out.index_copy_(0, bucket.leaf_src, rows)
                 else:
@@ -1431,6 +1466,12 @@ def _family_buckets(parent_row: Tensor, size: Tensor, n: int, i: int,
             leaf_block=leaf_block, leaf_gather=leaf_gather, internal_gather=internal_gather,
         ))
     return buckets
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is ``a``'s memory read the same way (rows already written there)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and (a.numel() <= 1 or a.stride() == b.stride()))
 
 
 def _leaf_block(src: Tensor, slot: Tensor, num_fam: int, size: int) -> Optional[tuple]:

@@ -764,6 +764,35 @@ def test_chain_runs():
         (0, 1),)
 
 
+def test_leaf_block_window_and_leaf_rows_in():
+    """A leaf_block bucket's leaves as wider overlapping windows (each family's leaves,
+    then the next leaf rows), ``None`` past the last leaf; and the rows of an output
+    buffer that hold a bucket's leaves in one block, which scatter_leaves then does not
+    copy again."""
+    s = TreeStructure.from_parent(torch.tensor([-1, 0, 1] + [0] * 3 + [1] * 3 + [2] * 3))
+    (bucket,) = [b for b in s.buckets if b.leaf_block is not None]
+    lo, per_family = bucket.leaf_block
+    f = bucket.num_families
+    rows = torch.arange(s.num_leaves, dtype=DT).unsqueeze(1)
+    window = s.leaf_block_window(bucket, rows, per_family + 2)
+    assert window.reshape(f, -1).tolist() == [
+        [lo + fam * per_family + j for j in range(per_family + 2)] for fam in range(f)]
+    assert s.leaf_block_window(bucket, rows, per_family).data_ptr() == rows[lo].data_ptr()
+    past_the_end = s.num_leaves - lo - (f - 1) * per_family + 1
+    assert s.leaf_block_window(bucket, rows, past_the_end) is None
+    assert s.leaf_block_window(bucket, rows, per_family - 1) is None
+
+    out = s.new_leaf_rows(rows)
+    assert out.shape == (s.num_leaves + 1, 1)
+    block = s.leaf_rows_in(out, bucket)
+    assert block.shape == (f * per_family, 1) and block.data_ptr() == out[lo].data_ptr()
+    block.copy_(rows[lo:lo + f * per_family])
+    parts = list(s.gather_buckets(rows, -rows[:s.num_internal], split_leaf_blocks=True))
+    per_bucket = [block if b is bucket else p.reshape(-1, 1)
+                  for b, p in zip(s.buckets, parts)]
+    assert s.scatter_leaves(per_bucket, 0.5, rows, out=out).tolist() == rows.tolist()
+
+
 def test_to_internal_family_sums_honour_out():
     """Sums handed in (``family_sums``) land where summing the leaves would: in ``out``
     when one is given (also while autograd records), else in a new tensor."""

@@ -67,6 +67,8 @@ def _logaddexp(a: Tensor, b: Tensor) -> Tensor:
         shape = torch.broadcast_shapes(a.shape, b.shape)
         a = a if a.shape == shape else a.expand(shape).contiguous()
         b = b if b.shape == shape else b.expand(shape).contiguous()
+    if not records_grad(a, b):  # the same forward, without an autograd node per call
+        return torch.logaddexp(a, b)   # (a deep tree's bottom-up pass makes one a level)
     return _LogAddExp.apply(a, b)
 
 
@@ -260,9 +262,20 @@ def _block_diagonal(x: Tensor) -> Tensor:
     return torch.diag_embed(x, dim1=1, dim2=3).reshape(f, h * a, h * b)
 
 
+def _flash_key_width(num_keys: int) -> int:
+    """The key-block width at which the CPU flash kernel runs a family of ``num_keys``
+    keys fastest: one or two keys short of a multiple of 16, the kernel's tail costs a
+    quarter more than the full block (families of 63 leaves: 470 ms against 375 ms for
+    64 keys, the 64th masked, at 4,095 x 8 heads x D = 64, 2 threads; 31 -> 32 and
+    15 -> 16 alike, while 7 -> 8, 17 -> 32 or 100 -> 112 gain nothing or lose)."""
+    width = -(-num_keys // 16) * 16
+    return width if num_keys >= 14 and width - num_keys <= 2 else num_keys
+
+
 def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...],
                           internal_members: Tuple[Tensor, ...], include_self: bool,
-                          scale: float) -> Tuple[BucketRows, BucketRows]:
+                          scale: float, leaf_windows: Optional[Tuple[Tensor, Tensor]] = None
+                          ) -> Tuple[BucketRows, BucketRows]:
     r"""The family softmax of a :attr:`~hsa_graph.structure.FamilyBucket.leaf_block`
     bucket (``L`` leaves in place and ``E`` internal members per family) without
     copying the leaves: the ``(out [F, H, b, Dv], lse [F, H, b])`` of
@@ -280,6 +293,9 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
       members (fused kernel, ``-inf`` on the diagonal; none when ``E = 1``).
 
     Inputs are ``[F, L, H, D]`` and ``[F, E, H, D]`` (queries, keys, values).
+    ``leaf_windows``: the leaf keys and values as wider blocks ``[F, W, H, D]``
+    (:meth:`~hsa_graph.structure.TreeStructure.leaf_block_window`, see
+    :func:`_flash_key_width`), read in their place, the ``W - L`` extra keys masked.
     """
     (q_l, k_l, v_l), (q_e, k_e, v_e) = leaf_members, internal_members
     f, n_l, h = q_l.shape[:3]
@@ -290,11 +306,17 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
     def heads(t: Tensor) -> Tensor:
         return t.transpose(1, 2)
 
-    no_self = None if include_self else torch.zeros(
-        n_l, n_l, dtype=q_l.dtype, device=q_l.device).fill_diagonal_(NEG_INF).view(
-            1, 1, n_l, n_l)
-    out_ll, lse_ll = _FamilyAttention.apply(heads(q_l), heads(k_l), heads(v_l), no_self,
-                                            scale)
+    k_w, v_w = (k_l, v_l) if leaf_windows is None else leaf_windows
+    width = k_w.shape[1]
+    extra = None  # -inf on the extra keys (and on the diagonal without self-attention)
+    if width > n_l:
+        extra = q_l.new_zeros((1, 1, max(n_l, n_e), width))
+        extra[..., n_l:] = NEG_INF
+    mask = None if extra is None else extra[..., :n_l, :]
+    if not include_self:
+        mask = (q_l.new_zeros((1, 1, n_l, width)) if mask is None else mask.clone())
+        mask.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
+    out_ll, lse_ll = _FamilyAttention.apply(heads(q_l), heads(k_w), heads(v_w), mask, scale)
     logits = torch.bmm(q_l.reshape(f, n_l, -1), _block_diagonal(k_e.permute(0, 3, 1, 2)))
     logits = logits.view(f, n_l, h, n_e) * scale + log_n[:, None, None, :]  # [F, L, H, E]
     lse_l = _logaddexp(heads(lse_ll), torch.logsumexp(logits, -1))          # [F, L, H]
@@ -302,7 +324,9 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
     share = torch.exp(logits - lse_l.unsqueeze(-1)).view(f, n_l, h * n_e)
     values = _block_diagonal(v_e.permute(0, 1, 3, 2))                       # [F, HE, HDv]
 
-    out_e, lse_e = _FamilyAttention.apply(heads(q_e), heads(k_l), heads(v_l), None, scale)
+    out_e, lse_e = _FamilyAttention.apply(heads(q_e), heads(k_w), heads(v_w),
+                                          None if extra is None else extra[..., :n_e, :],
+                                          scale)
     if n_e > 1:
         bias = log_n[:, None, None, :].expand(f, 1, n_e, n_e).clone()
         bias.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
@@ -512,8 +536,17 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         if index in first:
             out, lse = first[index][:2]
         elif bucket.leaf_block is not None:  # (leaves, internal members) per operand
+            windows = None
+            width = _flash_key_width(bucket.leaf_block[1])
+            if reuse and width > bucket.leaf_block[1] and q.device.type == "cpu":
+                # (not where autograd records: the overlapping view's backward would
+                # build a gradient of the whole storage)
+                windows = tuple(st.leaf_block_window(bucket, t, width)
+                                for t in (fk_leaf, fv_leaf))
+                windows = None if None in windows else windows
             out, lse = _leaf_block_attention(bucket, (bq[0], bk[0], bv[0]),
-                                             (bq[1], bk[1], bv[1]), include_self, fscale)
+                                             (bq[1], bk[1], bv[1]), include_self, fscale,
+                                             windows)
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
             out, lse = _FamilyAttention.apply(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
@@ -699,6 +732,10 @@ def _hsa(x: AttentionInputs) -> Tensor:
 
     # A leaf's output: its weighted family row plus its parent's acc, in one pass.
     inplace = not records_grad(x.q, x.k, v, x.pos)
+    # without autograd, the rows of buckets whose leaves lie in one block are written
+    # straight into the output (where one bucket holds every leaf, its family output
+    # is already the output)
+    y_rows = st.new_leaf_rows(v) if inplace and st.whole_leaf_bucket is None else None
     rows: List[Optional[Tensor]] = []
     for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
         if not bucket.leaf_slot.numel():
@@ -707,17 +744,18 @@ def _hsa(x: AttentionInputs) -> Tensor:
         above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
         out = _leaf_part(out).transpose(1, 2)
         w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
-        if inplace:  # the family output is this call's own buffer: written once more
-            y = torch.addcmul(above, out, w, out=out)
+        if inplace:  # into the output, or into the family output (this call's own)
+            into = None if y_rows is None else st.leaf_rows_in(y_rows, bucket)
+            y = torch.addcmul(above, out, w, out=out if into is None else into.view(out.shape))
         else:
             y = _WeightedRows.apply(above, out, w)
         rows.append(y.reshape(-1, *y.shape[2:]))
-    y = st.scatter_leaves(rows, 0.0, v)
+    y = st.scatter_leaves(rows, 0.0, v, out=y_rows)
     lonely = st.lonely_leaf
     if lonely.numel():  # leaves without siblings: acc(parent) + m(i) v_i
         parent = st.leaf_parent[lonely]
         own = acc.index_select(0, parent)
         if include_self:  # mu(i) = 1: no sibling takes any share
             own = own + m_internal[parent].unsqueeze(-1) * v[lonely]
-        y = y.index_copy(0, lonely, own)
+        y = y.index_copy_(0, lonely, own) if inplace else y.index_copy(0, lonely, own)
     return y

@@ -28,6 +28,7 @@ from reference import Tree, dense_hsa, dense_hsa_weights, flat_softmax_rows, kl_
 from torch_geometric.data import Batch
 
 import hsa_graph
+from hsa_graph.ops.hsa import _flash_key_width
 
 DT = torch.float64
 TOL = {"rtol": 1e-8, "atol": 1e-10}  # float64 comparisons
@@ -993,6 +994,10 @@ LEAF_BLOCK_TREES = {  # families of L >= 2 leaves in place plus E internal membe
     "one_internal": [-1, 0, 1, 2] + [0] * 3 + [1] * 3 + [2] * 3 + [3] * 2,
     "two_internal": [-1, 0, 0] + [0] * 3 + [1] * 3 + [2] * 3,
     "two_leaves": [-1, 0, 1] + [0] * 2 + [1] * 2 + [2] * 2,
+    # without autograd on CPU, 15 and 14 leaves read keys in windows of 16, the extra
+    # keys (the next family's first leaves) masked
+    "window_of_one_more": [-1, 0, 1, 2] + [0] * 15 + [1] * 15 + [2] * 15 + [3] * 15,
+    "window_of_two_more": [-1, 0, 1] + [0] * 14 + [1] * 14 + [2] * 14,
 }
 
 
@@ -1005,7 +1010,12 @@ def test_leaf_block_buckets_match_reference(name, include_self, with_pos):
     without autograd (the no-grad path updates the fused kernel's output in place)."""
     parent = LEAF_BLOCK_TREES[name]
     tree = make_tree(parent)
-    assert any(b.leaf_block is not None for b in tree.structure.buckets)
+    blocks = [b for b in tree.structure.buckets if b.leaf_block is not None]
+    assert blocks
+    if name.startswith("window"):
+        width = _flash_key_width(blocks[0].leaf_block[1])
+        assert width == 16 and tree.structure.leaf_block_window(
+            blocks[0], torch.zeros(Tree(parent).num_leaves, 1), width) is not None
     t = Tree(parent)
     q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=8)
     pos = (torch.randn(t.num_nodes, 3, generator=torch.Generator().manual_seed(2),
