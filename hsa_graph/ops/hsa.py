@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..structure import FamilyBucket, TreeStructure, records_grad
+from ..structure import FamilyBucket, TreeStructure, _rows_per_chunk, records_grad
 from .flash import _widened, cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
 
@@ -274,8 +274,8 @@ def _flash_key_width(num_keys: int) -> int:
 
 def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...],
                           internal_members: Tuple[Tensor, ...], include_self: bool,
-                          scale: float, leaf_windows: Optional[Tuple[Tensor, Tensor]] = None
-                          ) -> Tuple[BucketRows, BucketRows]:
+                          scale: float, leaf_windows: Optional[Tuple[Tensor, Tensor]] = None,
+                          into: Optional[Tensor] = None) -> Tuple[BucketRows, BucketRows]:
     r"""The family softmax of a :attr:`~hsa_graph.structure.FamilyBucket.leaf_block`
     bucket (``L`` leaves in place and ``E`` internal members per family) without
     copying the leaves: the ``(out [F, H, b, Dv], lse [F, H, b])`` of
@@ -296,6 +296,11 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
     ``leaf_windows``: the leaf keys and values as wider blocks ``[F, W, H, D]``
     (:meth:`~hsa_graph.structure.TreeStructure.leaf_block_window`, see
     :func:`_flash_key_width`), read in their place, the ``W - L`` extra keys masked.
+    Where autograd records nothing the leaf rows run in heap-sized chunks of families
+    and are written into ``into`` (``[F * L, H, Dv]``, e.g. the rows of the call's
+    output, :meth:`~hsa_graph.structure.TreeStructure.leaf_rows_in`) or a new buffer:
+    at full size the fused kernel's output and the block-diagonal operands would be
+    fresh mappings whose pages fault in on every call, on top of the output's.
     """
     (q_l, k_l, v_l), (q_e, k_e, v_e) = leaf_members, internal_members
     f, n_l, h = q_l.shape[:3]
@@ -316,13 +321,22 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
     if not include_self:
         mask = (q_l.new_zeros((1, 1, n_l, width)) if mask is None else mask.clone())
         mask.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
-    out_ll, lse_ll = _FamilyAttention.apply(heads(q_l), heads(k_w), heads(v_w), mask, scale)
-    logits = torch.bmm(q_l.reshape(f, n_l, -1), _block_diagonal(k_e.permute(0, 3, 1, 2)))
-    logits = logits.view(f, n_l, h, n_e) * scale + log_n[:, None, None, :]  # [F, L, H, E]
-    lse_l = _logaddexp(heads(lse_ll), torch.logsumexp(logits, -1))          # [F, L, H]
-    keep = torch.exp(heads(lse_ll) - lse_l).unsqueeze(-1)
-    share = torch.exp(logits - lse_l.unsqueeze(-1)).view(f, n_l, h * n_e)
-    values = _block_diagonal(v_e.permute(0, 1, 3, 2))                       # [F, HE, HDv]
+
+    def leaf_rows(part: slice) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """For the families ``part``: the leaf rows over the leaf keys (token-major
+        ``[n, L, H, Dv]``), their log-sum-exp over every member, the share the former
+        keeps, and the shares and values of the internal members, as the batched
+        matmul takes them."""
+        q, n = q_l[part], q_l[part].shape[0]
+        out, own = _FamilyAttention.apply(heads(q), heads(k_w[part]), heads(v_w[part]),
+                                          mask, scale)
+        out, own = heads(out), heads(own)
+        logits = torch.bmm(q.reshape(n, n_l, -1), _block_diagonal(k_e[part].permute(0, 3, 1, 2)))
+        logits = logits.view(n, n_l, h, n_e) * scale + log_n[part, None, None, :]
+        lse = _logaddexp(own, torch.logsumexp(logits, -1))                 # [n, L, H]
+        share = torch.exp(logits - lse.unsqueeze(-1)).view(n, n_l, h * n_e)
+        values = _block_diagonal(v_e[part].permute(0, 1, 3, 2))            # [n, HE, HDv]
+        return out, lse, torch.exp(own - lse).unsqueeze(-1), share, values
 
     out_e, lse_e = _FamilyAttention.apply(heads(q_e), heads(k_w), heads(v_w),
                                           None if extra is None else extra[..., :n_e, :],
@@ -336,11 +350,19 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         out_e = (torch.exp(lse_e - both).unsqueeze(-1) * out_e
                  + torch.exp(lse_ee - both).unsqueeze(-1) * out_ee)
         lse_e = both
-    rows = heads(out_ll)
-    if inplace and rows.is_contiguous():  # the fused kernel's token-major output, updated
-        rows.mul_(keep).view(f, n_l, h * dv).baddbmm_(share, values)   # where it lies
+    if inplace:
+        rows = (q_l.new_empty((f, n_l, h, dv)) if into is None
+                else into.view(f, n_l, h, dv))
+        lse_l = q_l.new_empty((f, n_l, h))
+        step = _rows_per_chunk(q_l)
+        for lo in range(0, f, step):
+            part = slice(lo, lo + step)
+            out, lse_l[part], keep, share, values = leaf_rows(part)
+            torch.mul(out, keep, out=rows[part])
+            rows[part].view(-1, n_l, h * dv).baddbmm_(share, values)
     else:
-        rows = torch.baddbmm((heads(out_ll) * keep).reshape(f, n_l, h * dv), share, values)
+        out, lse_l, keep, share, values = leaf_rows(slice(None))
+        rows = torch.baddbmm((out * keep).reshape(f, n_l, h * dv), share, values)
     return ((heads(rows.view(f, n_l, h, dv)), out_e), (heads(lse_l), lse_e))
 
 
@@ -489,7 +511,8 @@ def _family_operands(q: Tensor, k: Tensor, v: Optional[Tensor], means: Tuple,
 
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                    scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
-                   leaf_mass: bool = True, means: bool = True) -> HSAStatistics:
+                   leaf_mass: bool = True, means: bool = True,
+                   leaf_rows_out: Optional[Tensor] = None) -> HSAStatistics:
     """The bottom-up and top-down passes over per-node scalars shared by
     :func:`hsa` and :func:`~hsa_graph.hsa_weights`.
 
@@ -499,7 +522,10 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     ``means=False`` computes the subtree means only when some family has an internal
     member (they are the family softmax's operands there, and nowhere else in
     :func:`hsa`): ``rq, rk, rv`` are then ``None`` on trees whose families hold leaves
-    only, e.g. one family per tree.
+    only, e.g. one family per tree. ``leaf_rows_out``: the caller's output buffer
+    (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_rows`, ``[N + 1, H, Dv]``),
+    into which the leaf rows of ``bucket_out`` are written where they lie in one block
+    and autograd records nothing (their entries are then views of it).
     """
     n = st.num_leaves
     need_means = means or any(b.internal_slot.numel() for b in st.buckets)
@@ -544,9 +570,11 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                 windows = tuple(st.leaf_block_window(bucket, t, width)
                                 for t in (fk_leaf, fv_leaf))
                 windows = None if None in windows else windows
+            into = (st.leaf_rows_in(leaf_rows_out, bucket) if leaf_rows_out is not None
+                    and v is not None and fv_leaf.shape[-1] == v.shape[-1] else None)
             out, lse = _leaf_block_attention(bucket, (bq[0], bk[0], bv[0]),
                                              (bq[1], bk[1], bv[1]), include_self, fscale,
-                                             windows)
+                                             windows, into)
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
             out, lse = _FamilyAttention.apply(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
@@ -705,8 +733,13 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
 
 def _hsa(x: AttentionInputs) -> Tensor:
     st, v, include_self = x.structure, x.v, x.include_self
+    inplace = not records_grad(x.q, x.k, v, x.pos)
+    # without autograd, the rows of buckets whose leaves lie in one block are written
+    # straight into the output (where one bucket holds every leaf, its family output
+    # is already the output)
+    y_rows = st.new_leaf_rows(v) if inplace and st.whole_leaf_bucket is None else None
     stats = hsa_statistics(st, x.q, x.k, include_self, x.scale, x.pos, v=v, leaf_mass=False,
-                           means=False)
+                           means=False, leaf_rows_out=y_rows)
 
     # A member A of a family sends w(A) = m(pa(A)) (1 - mu(A)) of its mass through the
     # family softmax. A leaf's softmax row already holds its own diagonal, so a leaf
@@ -731,11 +764,6 @@ def _hsa(x: AttentionInputs) -> Tensor:
                       inplace=True)                                          # [I + 1, H, Dv]
 
     # A leaf's output: its weighted family row plus its parent's acc, in one pass.
-    inplace = not records_grad(x.q, x.k, v, x.pos)
-    # without autograd, the rows of buckets whose leaves lie in one block are written
-    # straight into the output (where one bucket holds every leaf, its family output
-    # is already the output)
-    y_rows = st.new_leaf_rows(v) if inplace and st.whole_leaf_bucket is None else None
     rows: List[Optional[Tensor]] = []
     for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
         if not bucket.leaf_slot.numel():

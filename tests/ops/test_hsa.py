@@ -1033,6 +1033,21 @@ def test_leaf_block_buckets_match_reference(name, include_self, with_pos):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"grad {n}: {m}")
 
 
+def test_leaf_block_buckets_in_chunks(monkeypatch):
+    """Without autograd a leaf_block bucket runs in chunks of families, written into
+    the output's rows: one family per chunk gives the same answer."""
+    from hsa_graph import structure
+    parent = LEAF_BLOCK_TREES["window_of_one_more"]
+    t = Tree(parent)
+    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=10)
+    monkeypatch.setattr(structure, "_CHUNK_BYTES", 1)
+    with torch.no_grad():
+        for include_self in (True, False):
+            torch.testing.assert_close(
+                hsa_graph.hsa(q, k, v, make_tree(parent), include_self=include_self),
+                dense_hsa(parent, q, k, v, include_self=include_self), **TOL)
+
+
 def test_leaf_block_buckets_double_backward():
     parent = LEAF_BLOCK_TREES["two_internal"]
     tree, t = make_tree(parent), Tree(parent)
