@@ -322,7 +322,7 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         mask = (q_l.new_zeros((1, 1, n_l, width)) if mask is None else mask.clone())
         mask.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
 
-    def leaf_rows(part: slice) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def leaf_rows(part: slice) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """For the families ``part``: the leaf rows over the leaf keys (token-major
         ``[n, L, H, Dv]``), their log-sum-exp over every member, the share the former
         keeps, and the shares and values of the internal members, as the batched
