@@ -977,14 +977,13 @@ class TreeStructure:
     def copied_slots(self) -> int:
         """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies into a
         scratch (not a view of the inputs, nor a :attr:`~FamilyBucket.leaf_block`
-        bucket, which :meth:`gather_buckets` yields in two parts or copies alone); 0
-        when there is none."""
+        bucket, which :meth:`gather_buckets` yields in two parts); 0 when there is
+        none."""
         return max([b.num_families * b.size for b in self.buckets
                     if not b.is_view and b.leaf_block is None], default=0)
 
     def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor,
-                       reuse: bool = False, split_leaf_blocks: bool = False
-                       ) -> Iterator[Union[Tensor, Tuple[Tensor, Tensor]]]:
+                       reuse: bool = False) -> Iterator[Union[Tensor, Tuple[Tensor, Tensor]]]:
         """:meth:`gather_bucket` of every bucket, in bucket order, one at a time (a
         generator). With ``reuse`` (the caller's promise that it keeps no yielded tensor
         past the next, and that no autograd graph saves one) every copied bucket is
@@ -996,8 +995,8 @@ class TreeStructure:
         Where autograd records, the buckets that read by index (ragged families) share
         one gather per source: the backward of a gather zero-fills a gradient of the
         whole source, once for all those buckets instead of once per bucket.
-        With ``split_leaf_blocks`` a :attr:`~FamilyBucket.leaf_block` bucket is yielded
-        as :meth:`leaf_block_members` (leaves in place, internal members gathered)."""
+        A :attr:`~FamilyBucket.leaf_block` bucket is yielded in two parts,
+        :meth:`leaf_block_members` (leaves in place, internal members gathered)."""
         shared = {}
         scratch = None
         if records_grad(leaf_values, internal_values):
@@ -1013,9 +1012,7 @@ class TreeStructure:
                 yield shared[i]
                 continue
             if bucket.leaf_block is not None:
-                yield (self.leaf_block_members(bucket, leaf_values, internal_values)
-                       if split_leaf_blocks else
-                       self.gather_bucket(bucket, leaf_values, internal_values))
+                yield self.leaf_block_members(bucket, leaf_values, internal_values)
                 continue
             if reuse and not bucket.is_view and scratch is None:
                 scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))

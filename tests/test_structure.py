@@ -230,13 +230,11 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
     assert [not bk.is_view for bk in s.buckets] == [
         bk.leaf_range is None and bk.internal_range is None for bk in s.buckets]
     assert s.copied_slots == max(copied, default=0)
-    for g, shared in zip(gathered, s.gather_buckets(leaf_ids, internal_ids, reuse=True)):
-        assert shared.reshape(-1, 1).tolist() == g.tolist()
-    # split: a leaf_block bucket as (its leaves, a view of the leaf rows; its internal
-    # members), the others as before; the scatters take those parts' rows
+    # a leaf_block bucket in two parts (its leaves, a view of the leaf rows; its
+    # internal members), the others as gather_bucket; the scatters take those rows
     to_scatter = {"leaf": [], "internal": []}
     for bucket, g, part in zip(s.buckets, gathered, s.gather_buckets(
-            leaf_ids, internal_ids, reuse=True, split_leaf_blocks=True)):
+            leaf_ids, internal_ids, reuse=True)):
         if bucket.leaf_block is None:
             assert part.reshape(-1, 1).tolist() == g.tolist()
             to_scatter["leaf"].append(g)
@@ -736,7 +734,9 @@ def test_gather_buckets_equals_gather_bucket(parent, shared, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     leaf = torch.randn(s.num_leaves, 2, 3, dtype=DT, generator=gen, requires_grad=True)
     inner = torch.randn(s.num_internal + 1, 2, 3, dtype=DT, generator=gen, requires_grad=True)
-    together = list(s.gather_buckets(leaf, inner))
+    # (a leaf_block bucket comes in two parts: leaves in place, internal members)
+    together = [torch.cat(t, 1) if isinstance(t, tuple) else t
+                for t in s.gather_buckets(leaf, inner)]
     alone = [s.gather_bucket(b, leaf, inner) for b in s.buckets]
     assert len(together) == len(alone) == len(s.buckets)
     weights = [torch.randn(t.shape, dtype=DT, generator=gen) for t in alone]
@@ -787,7 +787,7 @@ def test_leaf_block_window_and_leaf_rows_in():
     block = s.leaf_rows_in(out, bucket)
     assert block.shape == (f * per_family, 1) and block.data_ptr() == out[lo].data_ptr()
     block.copy_(rows[lo:lo + f * per_family])
-    parts = list(s.gather_buckets(rows, -rows[:s.num_internal], split_leaf_blocks=True))
+    parts = list(s.gather_buckets(rows, -rows[:s.num_internal]))
     per_bucket = [block if b is bucket else p.reshape(-1, 1)
                   for b, p in zip(s.buckets, parts)]
     assert s.scatter_leaves(per_bucket, 0.5, rows, out=out).tolist() == rows.tolist()

@@ -322,7 +322,7 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         mask = (q_l.new_zeros((1, 1, n_l, width)) if mask is None else mask.clone())
         mask.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
 
-    def leaf_rows(part: slice) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def leaf_queries(part: slice) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """For the families ``part``: the leaf rows over the leaf keys (token-major
         ``[n, L, H, Dv]``), their log-sum-exp over every member, the share the former
         keeps, and the shares and values of the internal members, as the batched
@@ -357,11 +357,11 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         step = _rows_per_chunk(q_l)
         for lo in range(0, f, step):
             part = slice(lo, lo + step)
-            out, lse_l[part], keep, share, values = leaf_rows(part)
+            out, lse_l[part], keep, share, values = leaf_queries(part)
             torch.mul(out, keep, out=rows[part])
             rows[part].view(-1, n_l, h * dv).baddbmm_(share, values)
     else:
-        out, lse_l, keep, share, values = leaf_rows(slice(None))
+        out, lse_l, keep, share, values = leaf_queries(slice(None))
         rows = torch.baddbmm((out * keep).reshape(f, n_l, h * dv), share, values)
     return ((heads(rows.view(f, n_l, h, dv)), out_e), (heads(lse_l), lse_e))
 
@@ -556,7 +556,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     # share one scratch
     operands = ((fq_leaf, fq_internal), (fk_leaf, fk_internal), (fv_leaf, fv_internal))
     reuse = not records_grad(*(t for pair in operands for t in pair))
-    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse, split_leaf_blocks=True)
+    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse)
                     for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
@@ -569,7 +569,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                 # build a gradient of the whole storage)
                 windows = tuple(st.leaf_block_window(bucket, t, width)
                                 for t in (fk_leaf, fv_leaf))
-                windows = None if None in windows else windows
+                windows = None if any(w is None for w in windows) else windows
             into = (st.leaf_rows_in(leaf_rows_out, bucket) if leaf_rows_out is not None
                     and v is not None and fv_leaf.shape[-1] == v.shape[-1] else None)
             out, lse = _leaf_block_attention(bucket, (bq[0], bk[0], bv[0]),
