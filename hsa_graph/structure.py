@@ -673,7 +673,9 @@ class TreeStructure:
                     family_sums: Optional[Tensor] = None) -> Tensor:
         """Sum leaf rows ``[N, ...]`` into their parents: ``[I + 1, ...]`` (null row last,
         zero). ``out``: a zero-filled ``[I + 1, ...]`` buffer (e.g. a slice of a wider
-        one) to add into, in place, instead of a new tensor. ``family_sums``: those sums
+        one) to add into, in place, instead of a new tensor (where a
+        :attr:`whole_leaf_bucket` exists its parents' rows are overwritten, so only the
+        other rows need be zero). ``family_sums``: those sums
         already formed over the families of the :attr:`whole_leaf_bucket` (``[F, ...]``),
         placed instead of summing ``leaf_values``."""
         fresh = out is None
@@ -696,7 +698,14 @@ class TreeStructure:
             # trailing dims flattened: the reduction then runs over long contiguous rows
             families = leaf_values.reshape(whole.num_families, whole.size, -1)
             if rows is not None and out.is_contiguous() and not records_grad(leaf_values, out):
-                torch.sum(families, 1, out=out[rows[0]:rows[1]].view(whole.num_families, -1))
+                into = out[rows[0]:rows[1]].view(whole.num_families, 1, -1)
+                if families.dtype in (torch.float32, torch.float64):
+                    # a batched product with ones reads the rows once at full bandwidth;
+                    # the reduction over a middle dimension runs at about 2/3 of it
+                    ones = families.new_ones((1, whole.size))
+                    torch.matmul(ones, families, out=into)
+                else:
+                    torch.sum(families, 1, keepdim=True, out=into)
                 return out
             sums = families.sum(1).view(-1, *leaf_values.shape[1:])
             return out.index_copy_(0, whole.parent, sums)
@@ -784,7 +793,15 @@ class TreeStructure:
         # one buffer [T, I + 1, ...]: each tensor's means contiguous (the families'
         # gathers are views), and one bottom-up pass over its internal rows (dim 1)
         first = leaf_values[0]
-        sums = first.new_zeros((len(leaf_values), self.num_internal + 1, *first.shape[1:]))
+        shape = (len(leaf_values), self.num_internal + 1, *first.shape[1:])
+        whole = self.whole_leaf_bucket
+        rows = None if whole is None else self.buckets[whole].parent_range
+        if rows is None:
+            sums = first.new_zeros(shape)
+        else:  # the families' rows are overwritten by to_internal: zero only the others
+            sums = first.new_empty(shape)
+            sums[:, :rows[0]].zero_()
+            sums[:, rows[1]:].zero_()
         for j, (t, f) in enumerate(zip(leaf_values, sums_of)):
             self.to_internal(t, out=sums[j], family_sums=f)
         self._sum_up_(sums, dim=1)
@@ -974,6 +991,22 @@ class TreeStructure:
         return out
 
     @_lazy_field
+    def internal_of_slot(self) -> List[Optional[Tensor]]:
+        """Per bucket, ``[F * b]`` the internal row of every slot and ``I`` (the null
+        row) for slots that hold a leaf or padding, where the bucket has internal members
+        and is not a :attr:`~FamilyBucket.leaf_block` bucket (else ``None``): where
+        autograd records nothing, :meth:`scatter_internal` writes a bucket's rows in one
+        ``index_copy_``, instead of first gathering its internal slots into a copy."""
+        out: List[Optional[Tensor]] = []
+        for b in self.buckets:
+            if not b.internal_slot.numel() or b.leaf_block is not None:
+                out.append(None)
+                continue
+            rows = b.internal_src.new_full((b.num_families * b.size,), self.num_internal)
+            out.append(rows.index_copy_(0, b.internal_slot, b.internal_src))
+        return out
+
+    @_lazy_field
     def copied_slots(self) -> int:
         """The most slots ``F * b`` of a bucket that :meth:`gather_bucket` copies into a
         scratch (not a view of the inputs, nor a :attr:`~FamilyBucket.leaf_block`
@@ -1083,8 +1116,28 @@ class TreeStructure:
         alone, ``[F * (b - L), ...]``). ``row_scale``: per bucket factors of the same
         rows (leading dims), applied to the internal members' rows only (not to every
         slot first)."""
-        sources, values = [], []
         scales = row_scale if row_scale is not None else [None] * len(per_bucket)
+        out = like.new_full((self.num_internal + 1, *like.shape[1:]), fill)
+        if not records_grad(*per_bucket, *scales):
+            # each bucket's rows written once, straight from its slots (the others land
+            # in the null row, reset after), and the factors applied to the result in
+            # place: no copy of the members' rows, scaled rows or their concatenation
+            factor = None
+            for bucket, rows, scale, dest in zip(self.buckets, per_bucket, scales,
+                                                 self.internal_of_slot):
+                if not bucket.internal_slot.numel():
+                    continue
+                index = bucket.internal_src if dest is None else dest
+                out.index_copy_(0, index, rows)
+                if scale is not None:
+                    if factor is None:
+                        factor = scale.new_ones((self.num_internal + 1, *scale.shape[1:]))
+                    factor.index_copy_(0, index, scale)
+            if factor is not None:
+                out.mul_(factor.view(*factor.shape, *([1] * (out.dim() - factor.dim()))))
+            out[-1] = fill
+            return out
+        sources, values = [], []
         for bucket, rows, scale in zip(self.buckets, per_bucket, scales):
             if bucket.internal_slot.numel():
                 sources.append(bucket.internal_src)
@@ -1095,8 +1148,7 @@ class TreeStructure:
                 if scale is not None:
                     rows = rows * scale.view(*scale.shape, *([1] * (rows.dim() - scale.dim())))
                 values.append(rows)
-        return _scatter_rows(like.new_full((self.num_internal + 1, *like.shape[1:]), fill),
-                             sources, values)
+        return _scatter_rows(out, sources, values)
 
     def to(self, device: torch.device | str) -> TreeStructure:
         """A copy on ``device``."""
@@ -1131,10 +1183,10 @@ class TreeStructure:
 _CHUNK_BYTES = 8 << 20
 
 
-def _rows_per_chunk(value: Tensor) -> int:
-    """Rows of ``value`` per chunk of :data:`_CHUNK_BYTES`."""
+def _rows_per_chunk(value: Tensor, chunk_bytes: Optional[int] = None) -> int:
+    """Rows of ``value`` per chunk of ``chunk_bytes`` (default :data:`_CHUNK_BYTES`)."""
     row = max(1, value[:1].numel() * value.element_size())
-    return max(1, _CHUNK_BYTES // row)
+    return max(1, (_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // row)
 
 
 def _scatter_rows(out: Tensor, sources: List[Tensor], values: List[Tensor]) -> Tensor:

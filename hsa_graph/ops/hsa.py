@@ -769,13 +769,20 @@ def _hsa(x: AttentionInputs) -> Tensor:
         if not bucket.leaf_slot.numel():
             rows.append(None)
             continue
-        above = acc.index_select(0, bucket.parent).unsqueeze(1)     # [F, 1, H, Dv]
-        out = _leaf_part(out).transpose(1, 2)
+        out = _leaf_part(out).transpose(1, 2)                        # [F, b, H, Dv]
         w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
         if inplace:  # into the output, or into the family output (this call's own)
             into = None if y_rows is None else st.leaf_rows_in(y_rows, bucket)
-            y = torch.addcmul(above, out, w, out=out if into is None else into.view(out.shape))
+            y = out if into is None else into.view(out.shape)
+            # in chunks of families: each chunk's gathered acc rows are heap memory
+            # reused chunk after chunk, not one fresh [F, H, Dv] mapping faulted in
+            step = _rows_per_chunk(acc[:1])
+            for lo in range(0, bucket.num_families, step):
+                hi = min(lo + step, bucket.num_families)
+                above = acc.index_select(0, bucket.parent[lo:hi]).unsqueeze(1)
+                torch.addcmul(above, out[lo:hi], w[lo:hi], out=y[lo:hi])
         else:
+            above = acc.index_select(0, bucket.parent).unsqueeze(1)  # [F, 1, H, Dv]
             y = _WeightedRows.apply(above, out, w)
         rows.append(y.reshape(-1, *y.shape[2:]))
     y = st.scatter_leaves(rows, 0.0, v, out=y_rows)

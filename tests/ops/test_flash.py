@@ -132,7 +132,7 @@ def test_value_width_other_than_the_key_width(dv, bias_index):
 def test_backward_in_blocks_of_families(monkeypatch):
     """Past a few MiB the backward runs in blocks of families (their temporaries reuse
     heap memory): blocks of one and of two families give the single call's gradients."""
-    import hsa_graph.structure as structure
+    import hsa_graph.ops.flash as flash
 
     bias = biases()[1]
     q, k, v, d_out, d_lse = token_major(seed=11)
@@ -140,7 +140,7 @@ def test_backward_in_blocks_of_families(monkeypatch):
     whole = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, 0.4)
     per_family = q[:1].numel() * q.element_size()
     for families in (1, 2):
-        monkeypatch.setattr(structure, "_CHUNK_BYTES", families * per_family)
+        monkeypatch.setattr(flash, "_BLOCK_BYTES", families * per_family)
         blocked = cpu_flash_attention_backward(q, k, v, bias, out, lse, d_out, d_lse, 0.4)
         for g, e, t in zip(blocked, whole, (q, k, v)):
             assert g.stride() == t.stride()  # token-major, as the inputs

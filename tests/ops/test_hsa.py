@@ -1037,15 +1037,18 @@ def test_leaf_block_buckets_in_chunks(monkeypatch):
     """Without autograd a leaf_block bucket runs in chunks of families, written into
     the output's rows: one family per chunk gives the same answer."""
     from hsa_graph import structure
-    parent = LEAF_BLOCK_TREES["window_of_one_more"]
-    t = Tree(parent)
-    q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=10)
     monkeypatch.setattr(structure, "_CHUNK_BYTES", 1)
-    with torch.no_grad():
-        for include_self in (True, False):
-            torch.testing.assert_close(
-                hsa_graph.hsa(q, k, v, make_tree(parent), include_self=include_self),
-                dense_hsa(parent, q, k, v, include_self=include_self), **TOL)
+    # (the second tree: families of leaves in buckets with and without a range, and
+    # internal families, each finalised one family per chunk)
+    for parent in (LEAF_BLOCK_TREES["window_of_one_more"],
+                   [-1, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 5, 5, 5]):
+        t = Tree(parent)
+        q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=10)
+        with torch.no_grad():
+            for include_self in (True, False):
+                torch.testing.assert_close(
+                    hsa_graph.hsa(q, k, v, make_tree(parent), include_self=include_self),
+                    dense_hsa(parent, q, k, v, include_self=include_self), **TOL)
 
 
 def test_leaf_block_buckets_double_backward():
