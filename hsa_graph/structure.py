@@ -1177,9 +1177,10 @@ class TreeStructure:
         _depth_by_pointer_jumping(parent.long())
 
 
-#: Bytes per chunk of the passes' gathered temporaries and of the fused backward's blocks
-#: of families: well below glibc's largest mmap threshold (32 MiB), so that chunk after
-#: chunk reuses heap memory instead of mapping (and faulting in) fresh pages.
+#: Bytes per chunk of the passes' gathered temporaries (the fused backward's blocks of
+#: families have their own, smaller size, ``ops.flash._BLOCK_BYTES``): well below glibc's
+#: largest mmap threshold (32 MiB), so that chunk after chunk reuses heap memory instead
+#: of mapping (and faulting in) fresh pages.
 _CHUNK_BYTES = 8 << 20
 
 

@@ -141,7 +141,8 @@ def cpu_flash_attention_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional
     if step >= f:
         return _backward_block(q, k, v, bias, out, lse, d_out, d_lse, scale)
     # Blocks of families: every temporary (the kernels' outputs, zero-filled gradients,
-    # P k, d_lse * q) is a few MiB that the heap hands back block after block, where
+    # P k, d_lse * q) is small (see _BLOCK_BYTES; the fold buffer is one for all
+    # blocks), memory that the heap hands back block after block, where
     # full-size ones are fresh mappings whose pages fault in on every call; only the
     # three gradients are full-size, written once (empty_like keeps q's token-major
     # strides).
