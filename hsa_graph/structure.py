@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from itertools import groupby
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -1012,11 +1012,15 @@ class TreeStructure:
         scratch (not a view of the inputs, nor a :attr:`~FamilyBucket.leaf_block`
         bucket, which :meth:`gather_buckets` yields in two parts); 0 when there is
         none."""
-        return max([b.num_families * b.size for b in self.buckets
-                    if not b.is_view and b.leaf_block is None], default=0)
+        return self._copied_slots(())
+
+    def _copied_slots(self, skip: Collection[int]) -> int:
+        return max([b.num_families * b.size for i, b in enumerate(self.buckets)
+                    if i not in skip and not b.is_view and b.leaf_block is None], default=0)
 
     def gather_buckets(self, leaf_values: Tensor, internal_values: Tensor,
-                       reuse: bool = False) -> Iterator[Union[Tensor, Tuple[Tensor, Tensor]]]:
+                       reuse: bool = False, skip: Collection[int] = ()
+                       ) -> Iterator[Optional[Union[Tensor, Tuple[Tensor, Tensor]]]]:
         """:meth:`gather_bucket` of every bucket, in bucket order, one at a time (a
         generator). With ``reuse`` (the caller's promise that it keeps no yielded tensor
         past the next, and that no autograd graph saves one) every copied bucket is
@@ -1029,9 +1033,12 @@ class TreeStructure:
         one gather per source: the backward of a gather zero-fills a gradient of the
         whole source, once for all those buckets instead of once per bucket.
         A :attr:`~FamilyBucket.leaf_block` bucket is yielded in two parts,
-        :meth:`leaf_block_members` (leaves in place, internal members gathered)."""
+        :meth:`leaf_block_members` (leaves in place, internal members gathered).
+        ``skip``: indices of buckets the caller reads otherwise (e.g.
+        :meth:`gather_leaf_chunks`), yielded as ``None`` and left out of the scratch."""
         shared = {}
         scratch = None
+        slots = self.copied_slots if not skip else self._copied_slots(skip)
         if records_grad(leaf_values, internal_values):
             for kind, indices, index, lengths in self.shared_gathers:
                 values = leaf_values if kind == "leaf" else internal_values
@@ -1041,6 +1048,9 @@ class TreeStructure:
                     shared[i] = part.view(bucket.num_families, bucket.size, *values.shape[1:])
         reuse = reuse and not records_grad(leaf_values, internal_values)
         for i, bucket in enumerate(self.buckets):
+            if i in skip:
+                yield None
+                continue
             if i in shared:
                 yield shared[i]
                 continue
@@ -1048,8 +1058,45 @@ class TreeStructure:
                 yield self.leaf_block_members(bucket, leaf_values, internal_values)
                 continue
             if reuse and not bucket.is_view and scratch is None:
-                scratch = leaf_values.new_empty((self.copied_slots, *leaf_values.shape[1:]))
+                scratch = leaf_values.new_empty((slots, *leaf_values.shape[1:]))
             yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
+
+    def gather_leaf_chunks(self, bucket: FamilyBucket, leaf_values: Sequence[Tensor]
+                           ) -> Iterator[Tuple[int, int, Tuple[Tensor, ...]]]:
+        """The members of a :attr:`~FamilyBucket.leaf_gather` bucket, a few families at
+        a time: ``(lo, hi, members)`` with ``members[t]`` ``[hi - lo, b, ...]`` the
+        families ``lo .. hi - 1`` of ``leaf_values[t]``, each tensor's chunks gathered
+        into one scratch of about :data:`_CHUNK_BYTES` (a yielded chunk holds until the
+        next is taken; autograd must record nothing). Where a whole bucket's copy is a
+        fresh mapping whose pages fault in at every call (ragged families at
+        N = 262,144: hundreds of MiB per operand), the chunks are heap memory reused
+        chunk after chunk and still in cache when their consumer reads them."""
+        if bucket.leaf_gather is None:
+            raise ValueError("gather_leaf_chunks reads buckets of leaves by index "
+                             "(FamilyBucket.leaf_gather); this bucket has none")
+        if records_grad(*leaf_values):
+            raise ValueError("gather_leaf_chunks reuses its scratch: it cannot run "
+                             "where autograd records")
+        f, b = bucket.num_families, bucket.size
+        step = min(f, max(1, min(_rows_per_chunk(t[:1]) for t in leaf_values) // b))
+        scratch = [t.new_empty((step * b, *t.shape[1:])) for t in leaf_values]
+        for lo in range(0, f, step):
+            hi = min(lo + step, f)
+            index = bucket.leaf_gather[lo * b:hi * b]
+            yield lo, hi, tuple(
+                torch.index_select(t, 0, index, out=rows[:index.numel()])
+                .view(hi - lo, b, *t.shape[1:]) for t, rows in zip(leaf_values, scratch))
+
+    def leaf_rows_of_slots(self, index: int) -> Tensor:
+        """``[F * b]`` the row of :meth:`new_leaf_rows` that each slot of bucket
+        ``index`` (a bucket of leaves only) writes to: its leaf, ``N`` (the spare row)
+        for padding slots."""
+        bucket = self.buckets[index]
+        if bucket.internal_slot.numel() or bucket.leaf_block is not None:
+            raise ValueError(f"bucket {index} holds internal members: its slots are not "
+                             "all leaf rows")
+        rows = self.leaf_of_slot[index]
+        return bucket.leaf_src if rows is None else rows
 
     def new_leaf_rows(self, like: Tensor) -> Tensor:
         """An uninitialised ``[N + 1, ...]`` buffer (the last row spare) for the ``out``
@@ -1078,7 +1125,8 @@ class TreeStructure:
         :attr:`~FamilyBucket.leaf_block` bucket gives the rows of its leaves alone,
         ``[F * L, ...]`` (the first part of :meth:`leaf_block_members`). ``out``: the
         buffer to fill where autograd records nothing (:meth:`new_leaf_rows`; rows
-        already in their place in it, :meth:`leaf_rows_in`, are not copied)."""
+        already in their place in it, :meth:`leaf_rows_in`, are not copied; a bucket
+        given as ``None`` there has written its rows into it already)."""
         whole = self.whole_leaf_bucket
         if whole is not None and out is None:  # every leaf in order in one bucket
             return per_bucket[whole]
@@ -1090,7 +1138,7 @@ class TreeStructure:
             if self.lonely_leaf.numel():
                 out.index_fill_(0, self.lonely_leaf, fill)
             for bucket, rows, slot_rows in zip(self.buckets, per_bucket, self.leaf_of_slot):
-                if not bucket.leaf_slot.numel():
+                if not bucket.leaf_slot.numel() or rows is None:  # None: written already
                     continue
                 block = self.leaf_rows_in(out, bucket)
                 if block is not None:

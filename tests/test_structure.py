@@ -843,3 +843,47 @@ def test_flat_trees_are_blocks_padded_at_the_end():
     s = Batch.from_data_list([NestedSignal.from_parents([-1, 0, 0]),
                               NestedSignal.from_parents([-1, 0])]).structure
     assert torch.equal(s.to("cpu").flat_trees.slots, s.flat_trees.slots)   # moved along
+
+
+RAGGED_LEAF_FAMILIES = ([-1, 0, 0, 0, 0, 0, 0] + [1] * 2 + [2] * 3 + [3] * 5 + [4] * 3
+                        + [5] * 4 + [6])  # leaf families of 2..5 padded to 5, a lonely leaf
+
+
+def test_gather_leaf_chunks_match_gather_bucket(monkeypatch):
+    """A bucket of leaves read by index, a few families at a time: the chunks are the
+    rows gather_bucket gives, in family order, and leaf_rows_of_slots names each slot's
+    leaf row (N, the spare row, for padding)."""
+    from hsa_graph import structure
+    s = TreeStructure.from_parent(torch.tensor(RAGGED_LEAF_FAMILIES))
+    (index, bucket), = [(i, b) for i, b in enumerate(s.buckets) if b.leaf_gather is not None]
+    assert bucket.num_families == 5 and bucket.size == 5
+    values = [torch.randn(s.num_leaves, 2, 3, dtype=DT), torch.randn(s.num_leaves, 4)]
+    whole = [s.gather_bucket(bucket, t, t[:0]) for t in values]
+    for chunk_bytes, families_per_chunk in ((1, 1), (DT.itemsize * 6 * 5 * 2, 2),
+                                            (1 << 20, 5)):
+        monkeypatch.setattr(structure, "_CHUNK_BYTES", chunk_bytes)
+        # (a chunk holds until the next is taken: copied as they come)
+        chunks = [(lo, hi, [part.clone() for part in parts])
+                  for lo, hi, parts in s.gather_leaf_chunks(bucket, values)]
+        assert [hi - lo for lo, hi, _ in chunks][0] == families_per_chunk
+        assert [lo for lo, _, _ in chunks] == list(range(0, 5, families_per_chunk))
+        for t, w in enumerate(whole):
+            got = torch.cat([parts[t] for _, _, parts in chunks])
+            assert torch.equal(got, w)
+    slots = s.leaf_rows_of_slots(index)
+    expected = [s.num_leaves] * (bucket.num_families * bucket.size)
+    for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):
+        expected[slot] = src
+    assert slots.tolist() == expected
+    internal = next(i for i, b in enumerate(s.buckets) if b.internal_slot.numel())
+    with pytest.raises(ValueError, match="internal members"):
+        s.leaf_rows_of_slots(internal)
+    with pytest.raises(ValueError, match="leaf_gather"):
+        next(s.gather_leaf_chunks(s.buckets[internal], values))
+    with pytest.raises(ValueError, match="autograd"):
+        next(s.gather_leaf_chunks(bucket, [values[0].requires_grad_()]))
+    # gather_buckets leaves the skipped bucket to the caller
+    parts = list(s.gather_buckets(values[1], values[1][:s.num_internal], reuse=True,
+                                  skip={index}))
+    assert parts[index] is None and all(p is not None for i, p in enumerate(parts)
+                                        if i != index)

@@ -509,6 +509,26 @@ def _family_operands(q: Tensor, k: Tensor, v: Optional[Tensor], means: Tuple,
     return (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), scale
 
 
+def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor, ...],
+                           include_self: bool, scale: float, rows_out: Tensor) -> Tensor:
+    """The family softmax of bucket ``index`` (leaves only, read by index), a chunk of
+    families at a time (:meth:`~hsa_graph.structure.TreeStructure.gather_leaf_chunks`),
+    each chunk's output rows copied into ``rows_out`` (``[N + 1, H, Dv]``, padding slots
+    into its spare row) while they are in cache. Returns the log-sum-exp ``[F, H, b]``.
+    No autograd."""
+    bucket = st.buckets[index]
+    f, b = bucket.num_families, bucket.size
+    bias = _bucket_bias(bucket, include_self, operands[0].dtype)
+    dest = st.leaf_rows_of_slots(index)
+    lse = operands[0].new_empty((f, operands[0].shape[1], b))
+    for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands):
+        out, lse[lo:hi] = _family_attention_forward(
+            cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2),
+            None if bias is None else bias[lo:hi], scale)
+        rows_out.index_copy_(0, dest[lo * b:hi * b], _rows(out))
+    return lse
+
+
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                    scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
                    leaf_mass: bool = True, means: bool = True,
@@ -524,8 +544,10 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     :func:`hsa`): ``rq, rk, rv`` are then ``None`` on trees whose families hold leaves
     only, e.g. one family per tree. ``leaf_rows_out``: the caller's output buffer
     (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_rows`, ``[N + 1, H, Dv]``),
-    into which the leaf rows of ``bucket_out`` are written where they lie in one block
-    and autograd records nothing (their entries are then views of it).
+    into which the leaf rows of ``bucket_out`` are written, unweighted, where autograd
+    records nothing: where they lie in one block (their entries are then views of it),
+    and for buckets of leaves read by index (their entries are then ``None``: see
+    :func:`_leaf_bucket_into_rows`).
     """
     n = st.num_leaves
     need_means = means or any(b.internal_slot.numel() for b in st.buckets)
@@ -556,11 +578,22 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     # share one scratch
     operands = ((fq_leaf, fq_internal), (fk_leaf, fk_internal), (fv_leaf, fv_internal))
     reuse = not records_grad(*(t for pair in operands for t in pair))
-    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse)
+    # without autograd, rows of leaves go straight into the caller's buffer: those of
+    # buckets read by index a chunk of families at a time (a whole bucket's gathered
+    # copies and output would be fresh mappings, hundreds of MiB on ragged trees)
+    direct = (reuse and leaf_rows_out is not None and v is not None
+              and fv_leaf.shape[-1] == v.shape[-1])
+    streamed = {i for i, b in enumerate(st.buckets)
+                if direct and b.leaf_gather is not None and i not in first}
+    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse, skip=streamed)
                     for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]
+        elif index in streamed:
+            out, lse = None, _leaf_bucket_into_rows(
+                st, index, (fq_leaf, fk_leaf, fv_leaf), include_self, fscale,
+                leaf_rows_out)
         elif bucket.leaf_block is not None:  # (leaves, internal members) per operand
             windows = None
             width = _flash_key_width(bucket.leaf_block[1])
@@ -570,8 +603,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                 windows = tuple(st.leaf_block_window(bucket, t, width)
                                 for t in (fk_leaf, fv_leaf))
                 windows = None if any(w is None for w in windows) else windows
-            into = (st.leaf_rows_in(leaf_rows_out, bucket) if leaf_rows_out is not None
-                    and v is not None and fv_leaf.shape[-1] == v.shape[-1] else None)
+            into = st.leaf_rows_in(leaf_rows_out, bucket) if direct else None
             out, lse = _leaf_block_attention(bucket, (bq[0], bk[0], bv[0]),
                                              (bq[1], bk[1], bv[1]), include_self, fscale,
                                              windows, into)
@@ -579,7 +611,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
             out, lse = _FamilyAttention.apply(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
                 _bucket_bias(bucket, include_self, q.dtype), fscale)
-        if v is None:
+        if v is None or out is None:
             out = None
         else:  # without the zero features of widened values
             out = (tuple(t[..., :v.shape[-1]] for t in out) if isinstance(out, tuple)
@@ -731,6 +763,18 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
     return y if flat.rows is None else y.index_select(0, flat.rows)
 
 
+def _weigh_leaf_rows_(st: TreeStructure, y: Tensor, acc: Tensor, m_internal: Tensor
+                      ) -> None:
+    r"""``y_i <- acc(pa(i)) + m(pa(i)) y_i`` for every leaf row ``y`` ``[N, H, Dv]`` (a
+    family's leaf rows weigh :math:`m(\mathrm{pa})` alone, whatever their bucket), in
+    chunks of leaves whose gathered ``acc`` rows are reused heap memory."""
+    step = _rows_per_chunk(acc[:1])
+    for lo in range(0, st.num_leaves, step):
+        parent = st.leaf_parent[lo:lo + step]
+        torch.addcmul(acc.index_select(0, parent), y[lo:lo + step],
+                      m_internal.index_select(0, parent).unsqueeze(-1), out=y[lo:lo + step])
+
+
 def _hsa(x: AttentionInputs) -> Tensor:
     st, v, include_self = x.structure, x.v, x.include_self
     inplace = not records_grad(x.q, x.k, v, x.pos)
@@ -764,28 +808,34 @@ def _hsa(x: AttentionInputs) -> Tensor:
                       inplace=True)                                          # [I + 1, H, Dv]
 
     # A leaf's output: its weighted family row plus its parent's acc, in one pass.
-    rows: List[Optional[Tensor]] = []
-    for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
-        if not bucket.leaf_slot.numel():
-            rows.append(None)
-            continue
-        out = _leaf_part(out).transpose(1, 2)                        # [F, b, H, Dv]
-        w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
-        if inplace:  # into the output, or into the family output (this call's own)
-            into = None if y_rows is None else st.leaf_rows_in(y_rows, bucket)
-            y = out if into is None else into.view(out.shape)
-            # in chunks of families: each chunk's gathered acc rows are heap memory
-            # reused chunk after chunk, not one fresh [F, H, Dv] mapping faulted in
-            step = _rows_per_chunk(acc[:1])
-            for lo in range(0, bucket.num_families, step):
-                hi = min(lo + step, bucket.num_families)
-                above = acc.index_select(0, bucket.parent[lo:hi]).unsqueeze(1)
-                torch.addcmul(above, out[lo:hi], w[lo:hi], out=y[lo:hi])
-        else:
-            above = acc.index_select(0, bucket.parent).unsqueeze(1)  # [F, 1, H, Dv]
-            y = _WeightedRows.apply(above, out, w)
-        rows.append(y.reshape(-1, *y.shape[2:]))
-    y = st.scatter_leaves(rows, 0.0, v, out=y_rows)
+    if y_rows is not None:  # the unweighted rows into the output, then weighed in place
+        y = st.scatter_leaves([None if out is None or not bucket.leaf_slot.numel()
+                               else _rows(_leaf_part(out))
+                               for bucket, out in zip(st.buckets, stats.bucket_out)],
+                              0.0, v, out=y_rows)
+        _weigh_leaf_rows_(st, y, acc, m_internal)
+    else:
+        rows: List[Optional[Tensor]] = []
+        for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
+            if not bucket.leaf_slot.numel():
+                rows.append(None)
+                continue
+            out = _leaf_part(out).transpose(1, 2)                    # [F, b, H, Dv]
+            w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
+            if inplace:  # into the family output (this call's own)
+                # in chunks of families: each chunk's gathered acc rows are heap memory
+                # reused chunk after chunk, not one fresh [F, H, Dv] mapping faulted in
+                step = _rows_per_chunk(acc[:1])
+                for lo in range(0, bucket.num_families, step):
+                    hi = min(lo + step, bucket.num_families)
+                    above = acc.index_select(0, bucket.parent[lo:hi]).unsqueeze(1)
+                    torch.addcmul(above, out[lo:hi], w[lo:hi], out=out[lo:hi])
+                y = out
+            else:
+                above = acc.index_select(0, bucket.parent).unsqueeze(1)  # [F, 1, H, Dv]
+                y = _WeightedRows.apply(above, out, w)
+            rows.append(y.reshape(-1, *y.shape[2:]))
+        y = st.scatter_leaves(rows, 0.0, v)
     lonely = st.lonely_leaf
     if lonely.numel():  # leaves without siblings: acc(parent) + m(i) v_i
         parent = st.leaf_parent[lonely]

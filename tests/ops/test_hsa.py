@@ -1097,3 +1097,31 @@ def test_layout_trees_exercise_every_bucket_kind():
                       "leaf_gather" if b.leaf_gather is not None else
                       "internal_gather" if b.internal_gather is not None else "mixed")
     assert kinds == {"range", "block", "leaf_gather", "internal_gather", "mixed"}
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, None])
+def test_leaf_buckets_read_by_index_in_chunks(monkeypatch, chunk_bytes):
+    """Without autograd, buckets of leaves read by index (ragged families) attend a
+    chunk of families at a time, their rows written unweighted into the output and
+    weighed there in one pass: against the dense reference with padding slots, a lonely
+    leaf, a forest (a leaf that is a root), positions and values narrower than the keys
+    (which take the whole-bucket path)."""
+    from hsa_graph import structure
+    if chunk_bytes is not None:
+        monkeypatch.setattr(structure, "_CHUNK_BYTES", chunk_bytes)
+    ragged = ([-1, 0, 0, 0, 0, 0, 0] + [1] * 2 + [2] * 3 + [3] * 5 + [4] * 3 + [5] * 4
+              + [6])
+    forest = ragged + [-1, -1, len(ragged) + 1, len(ragged) + 1]  # a leaf that is a root
+    for parent in (ragged, forest):
+        tree, t = make_tree(parent), Tree(parent)
+        assert any(b.leaf_gather is not None for b in tree.structure.buckets)
+        q, k, v, _ = random_inputs(t.num_leaves, t.num_nodes, 2, 3, 4, seed=12)
+        pos = torch.randn(t.num_nodes, 3, generator=torch.Generator().manual_seed(3),
+                          dtype=DT)
+        for include_self in (True, False):
+            for p, vals in ((None, v), (pos, v), (None, v[..., :2])):
+                with torch.no_grad():
+                    y = hsa_graph.hsa(q, k, vals, tree, include_self=include_self, pos=p)
+                torch.testing.assert_close(
+                    y, dense_hsa(parent, q, k, vals, include_self=include_self, pos=p),
+                    **TOL)
