@@ -1038,7 +1038,7 @@ class TreeStructure:
         :meth:`gather_leaf_chunks`), yielded as ``None`` and left out of the scratch."""
         shared = {}
         scratch = None
-        slots = self.copied_slots if not skip else self._copied_slots(skip)
+        slots = self._copied_slots(skip)
         if records_grad(leaf_values, internal_values):
             for kind, indices, index, lengths in self.shared_gathers:
                 values = leaf_values if kind == "leaf" else internal_values
