@@ -9,7 +9,17 @@ each size, in one process and interleaved:
 * **flat**: ``scaled_dot_product_attention`` over each tree's leaves (``[B, H, n, D]``),
   the attention a flat model of the same trees computes;
 * **floor**: ``scaled_dot_product_attention`` inside the leaf families of 16 alone
-  (HSA's largest single cost; no tree work at all).
+  (HSA's largest single cost; no tree work at all);
+* **passes**: the floor plus the other passes over full-size tensors that HSA makes,
+  written with plain torch ops and no tree bookkeeping: the leaf families' means of
+  ``q``, ``k``, ``v`` (one more read of each) and the family softmax over them at the
+  deepest internal level (random operands of the right shapes above it), and the
+  weighing of the output (``acc + m * o``, one more read and write). In the forward
+  this is the least the algorithm costs in eager PyTorch (the means are operands of
+  the internal families, and the weights ``m`` need the leaf families' log-sum-exps,
+  so neither pass folds into the leaf families' kernel call): where ``passes`` exceeds
+  ``flat``, "no slower than flat" is out of reach without a fused kernel. In the
+  backward it is autograd over those ops, which the library's fused backward can beat.
 
 Forward (under ``torch.no_grad``) and forward + backward (``y.square().sum()``), the
 median of ``--repeats`` calls after a warm-up. Goals: hsa no slower than flat at 64
@@ -36,7 +46,7 @@ import torch.nn.functional as F
 from torch_geometric.data import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hsa import balanced_parents  # noqa: E402
+from bench_hsa import balanced_parents, level_sizes  # noqa: E402
 
 import hsa_graph  # noqa: E402
 
@@ -59,6 +69,38 @@ def median_ms(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, f
     return {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def _passes(n: int, q, k, v, blocks) -> Callable[[], object]:
+    """The floor and the full-size passes of HSA on balanced trees of ``n`` leaves (see
+    the module docstring), without the library; differentiable, so that the forward +
+    backward workload times their backward too."""
+    sizes = level_sizes(n)                  # nodes per level, root first, leaves last
+    trees, families = TOTAL // n, TOTAL // 16
+    ones = q.new_ones(1, 16)
+    # the families of each internal level below the root, (count, width), deepest
+    # first: the deepest attend over the leaf families' means, the others over random
+    # operands of their shapes
+    levels = [(trees * sizes[d - 1], sizes[d] // sizes[d - 1])
+              for d in range(len(sizes) - 2, 0, -1)]
+    upper = [torch.randn(f * b, H, D) for f, b in levels[1:]]
+    m = torch.rand(families, 1, H, 1)
+
+    def passes():
+        out = F.scaled_dot_product_attention(blocks(q, 16), blocks(k, 16), blocks(v, 16))
+        if not levels:  # one family per tree: HSA is the floor and nothing else
+            return out
+        means = [torch.matmul(ones / 16, t.view(families, 16, H * D)).view(families, H, D)
+                 for t in (q, k, v)]             # one more read of q, k, v
+        f, b = levels[0]
+        rq, rk, rv = (t.view(f, b, H, D).transpose(1, 2) for t in means)
+        above = F.scaled_dot_product_attention(rq, rk, rv)
+        for (f, b), r in zip(levels[1:], upper):
+            rows = r.view(f, b, H, D).transpose(1, 2)
+            F.scaled_dot_product_attention(rows, rows, rows)
+        acc = above.transpose(1, 2).reshape(families, 1, H, D)
+        return torch.addcmul(acc, out.transpose(1, 2), m)   # one more read and write
+    return passes
+
+
 def workloads(n: int, backward: bool) -> Dict[str, Callable[[], object]]:
     trees = TOTAL // n
     tree = Batch.from_data_list(
@@ -75,6 +117,7 @@ def workloads(n: int, backward: bool) -> Dict[str, Callable[[], object]]:
                blocks(q, n), blocks(k, n), blocks(v, n)),
            "floor": lambda: F.scaled_dot_product_attention(
                blocks(q, 16), blocks(k, 16), blocks(v, 16))}
+    ops["passes"] = _passes(n, q, k, v, blocks)
 
     def run(op):
         if not backward:
@@ -111,7 +154,8 @@ def main(argv=None) -> int:
                 rows.append({"threads": threads, "leaves": n, "trees": TOTAL // n,
                              "pass": "fwd+bwd" if backward else "fwd", **ms})
                 print(f"  {threads}t n={n} {rows[-1]['pass']}: hsa {ms['hsa']:.2f} ms, "
-                      f"flat {ms['flat']:.2f}, floor {ms['floor']:.2f}", file=sys.stderr)
+                      f"flat {ms['flat']:.2f}, floor {ms['floor']:.2f}, "
+                      f"passes {ms['passes']:.2f}", file=sys.stderr)
     meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_start": load_start, "load_end": os.getloadavg()[0],
@@ -121,11 +165,13 @@ def main(argv=None) -> int:
              f"{meta['load_start']:.2f} -> {meta['load_end']:.2f}; torch {meta['torch']}; "
              f"environment variables: {meta['env'] or 'none'}", "",
              "| threads | leaves per tree x trees | pass | hsa ms | flat ms | floor ms "
-             "| hsa / flat | hsa / floor |", "|---|---|---|---|---|---|---|---|"]
+             "| passes ms | hsa / flat | hsa / floor | passes / flat |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['threads']} | {r['leaves']} x {r['trees']} | {r['pass']} | "
-                     f"{r['hsa']:.2f} | {r['flat']:.2f} | {r['floor']:.2f} | "
-                     f"{r['hsa'] / r['flat']:.2f} | {r['hsa'] / r['floor']:.2f} |")
+                     f"{r['hsa']:.2f} | {r['flat']:.2f} | {r['floor']:.2f} | {r['passes']:.2f} | "
+                     f"{r['hsa'] / r['flat']:.2f} | {r['hsa'] / r['floor']:.2f} | "
+                     f"{r['passes'] / r['flat']:.2f} |")
     table = "\n".join(lines)
     print(table)
     if not args.quick:
