@@ -11,6 +11,7 @@ and with many examples.
 """
 from __future__ import annotations
 
+import random
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import networkx as nx
@@ -23,7 +24,7 @@ from reference import dense_hsa
 
 import hsa_graph
 import hsa_graph.io
-from hsa_graph import NestedSignal, Node, hsa
+from hsa_graph import BatchedHSACache, NestedSignal, Node, hsa, structure
 from hsa_graph.builders import (
     document_tree,
     hopping_window_parents,
@@ -31,6 +32,7 @@ from hsa_graph.builders import (
     image_tree,
     text_tree,
 )
+from hsa_graph.ops.cache import parents_of_moves
 
 DOCUMENTED = (ValueError, TypeError)
 
@@ -129,6 +131,23 @@ def check_hsa(tree: NestedSignal, seed: int, scale_exp: int = 0, include_self: b
             # logits of size 10^e carry rounding of 10^e ulps into every gradient
             scale = max(1.0, float(expected.abs().max())) * 10.0 ** max(0, scale_exp)
             torch.testing.assert_close(ours.grad, expected, rtol=1e-7, atol=1e-9 * scale)
+    # Without autograd hsa takes other paths (scratch reused across buckets, leaf rows
+    # written into the output and weighed in place, buckets of leaves a chunk of
+    # families at a time): the same reference, with values narrower than the keys and
+    # as wide (only then do rows go straight into the output), at the default chunk
+    # size or one family per chunk.
+    v_wide = torch.randn(n, 2, 3, generator=g, dtype=torch.float64)
+    chunk_bytes, structure._CHUNK_BYTES = structure._CHUNK_BYTES, (
+        1 if seed % 2 else structure._CHUNK_BYTES)
+    try:
+        with torch.no_grad():
+            for values in (v, v_wide):
+                torch.testing.assert_close(
+                    hsa(q, k, values, tree, include_self=include_self, pos=pos),
+                    dense_hsa(parent, q, k, values, include_self=include_self, pos=pos),
+                    rtol=1e-7, atol=1e-9)
+    finally:
+        structure._CHUNK_BYTES = chunk_bytes
     y32 = hsa(q.float(), k.float(), v.float(), tree, include_self=include_self,
               pos=None if pos is None else pos.float())
     assert bool(torch.isfinite(y32).all())
@@ -213,6 +232,86 @@ def run_causal(case) -> None:
             t[i + 1:] = torch.randn(t[i + 1:].shape, generator=g, dtype=t.dtype) * 10
         again = hsa_graph.causal_hsa(*later, tree, include_self=include_self, pos=pos)
         assert torch.equal(again[:i + 1], before[:i + 1]), i
+
+
+def cache_scenarios():
+    """A seed for :func:`run_batched_cache`'s scenario, and ``include_self``."""
+    return st.tuples(st.integers(0, 2 ** 31), st.booleans())
+
+
+def _random_moves(rng: random.Random, n: int, max_depth: int) -> List[Dict[str, int]]:
+    """``n`` placements of a token sequence's tree (see ``HSACache.append``): a first
+    depth, then an attach level and a depth per token, sometimes changing depth."""
+    depth = rng.randint(1, max_depth)
+    moves = [dict(depth=depth)]
+    for _ in range(n - 1):
+        new_depth = rng.randint(1, max_depth) if rng.random() < 0.3 else depth
+        moves.append(dict(attach=rng.randint(0, min(depth, new_depth) - 1),
+                          depth=new_depth))
+        depth = new_depth
+    return moves
+
+
+def run_batched_cache(case) -> None:
+    """BatchedHSACache through a random life: sequences of random trees, some prefilled
+    from prompts of random lengths (at the start or into the running batch), some
+    started empty, each dropped when its tokens run out; every output, of the prefill
+    and of each batched step, equals causal_hsa on that sequence's tree so far
+    (float64)."""
+    seed, include_self = case
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    count = rng.randint(1, 5)
+    moves = [_random_moves(rng, rng.randint(1, 16), rng.randint(1, 5)) for _ in range(count)]
+    tokens = [torch.randn(3, len(m), 2, 3, generator=g, dtype=torch.float64) for m in moves]
+    expected = [hsa_graph.causal_hsa(*x, NestedSignal.from_parents(parents_of_moves(m)),
+                                     include_self=include_self)
+                for x, m in zip(tokens, moves)]
+    cache = BatchedHSACache(include_self=include_self)
+    rows: List[int] = []                  # cache row -> sequence
+    done = [0] * count                    # tokens each sequence has taken
+    waiting = list(range(count))
+
+    def join(group: List[int]) -> None:
+        prompts = [s for s in group if rng.random() < 0.6 and len(moves[s]) > 1]
+        empty = [s for s in group if s not in prompts]
+        if prompts:
+            lengths = {s: rng.randint(1, len(moves[s]) - 1) for s in prompts}
+            forest = hsa_graph.collate([NestedSignal.from_parents(
+                parents_of_moves(moves[s][:lengths[s]])) for s in prompts])
+            q, k, v = (torch.cat([tokens[s][j, :lengths[s]] for s in prompts])
+                       for j in range(3))
+            y = cache.prefill(q, k, v, forest)
+            torch.testing.assert_close(y, torch.cat(
+                [expected[s][:lengths[s]] for s in prompts]), rtol=1e-9, atol=1e-10)
+            rows.extend(prompts)
+            for s in prompts:
+                done[s] = lengths[s]
+        if empty:
+            cache.add(len(empty))
+            rows.extend(empty)
+
+    join([waiting.pop(0) for _ in range(rng.randint(1, len(waiting)))])
+    while rows:
+        finished = [r for r, s in enumerate(rows) if done[s] == len(moves[s])]
+        if finished:
+            cache.drop(finished)
+            for r in reversed(finished):
+                del rows[r]
+        if waiting and rng.random() < 0.3:
+            join([waiting.pop(0)])
+        if not rows:
+            if waiting:
+                join([waiting.pop(0)])
+            continue
+        y = cache.step(*(torch.stack([tokens[s][j, done[s]] for s in rows])
+                         for j in range(3)),
+                       attach=[moves[s][done[s]].get("attach") for s in rows],
+                       depth=[moves[s][done[s]].get("depth") for s in rows])
+        for r, s in enumerate(rows):
+            torch.testing.assert_close(y[r], expected[s][done[s]], rtol=1e-9, atol=1e-10)
+            done[s] += 1
+    assert done == [len(m) for m in moves]
 
 
 def nested_data():
@@ -862,6 +961,7 @@ class Target(NamedTuple):
 TARGETS: Dict[str, Target] = {name: Target(*spec) for name, spec in {
     "from_parents+hsa": (hostile_parents, run_parents),
     "causal_hsa": (contiguous_forests, run_causal),
+    "batched_cache": (cache_scenarios, run_batched_cache),
     "from_nested": (nested_data, run_nested),
     "from_networkx": (random_digraphs, run_networkx),
     "text_tree": (texts, run_text),
