@@ -241,13 +241,16 @@ def cache_scenarios():
 
 def _random_moves(rng: random.Random, n: int, max_depth: int) -> List[Dict[str, int]]:
     """``n`` placements of a token sequence's tree (see ``HSACache.append``): a first
-    depth, then an attach level and a depth per token, sometimes changing depth."""
+    depth, then an attach level and a depth per token, sometimes changing depth. Most
+    tokens join the deepest open node, as in text, so that open nodes below the root
+    collect completed children (only there do their terms reach the outputs)."""
     depth = rng.randint(1, max_depth)
     moves = [dict(depth=depth)]
     for _ in range(n - 1):
         new_depth = rng.randint(1, max_depth) if rng.random() < 0.3 else depth
-        moves.append(dict(attach=rng.randint(0, min(depth, new_depth) - 1),
-                          depth=new_depth))
+        deepest = min(depth, new_depth) - 1
+        attach = deepest if rng.random() < 0.6 else rng.randint(0, deepest)
+        moves.append(dict(attach=attach, depth=new_depth))
         depth = new_depth
     return moves
 
@@ -262,7 +265,7 @@ def run_batched_cache(case) -> None:
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     count = rng.randint(1, 5)
-    moves = [_random_moves(rng, rng.randint(1, 16), rng.randint(1, 5)) for _ in range(count)]
+    moves = [_random_moves(rng, rng.randint(1, 40), rng.randint(1, 4)) for _ in range(count)]
     tokens = [torch.randn(3, len(m), 2, 3, generator=g, dtype=torch.float64) for m in moves]
     expected = [hsa_graph.causal_hsa(*x, NestedSignal.from_parents(parents_of_moves(m)),
                                      include_self=include_self)
