@@ -923,6 +923,20 @@ def test_check_finite_names_tensor_and_row(name, bad):
     hsa_graph.hsa(*clean[:3], tree, pos=clean[3], check_finite=True)
 
 
+@pytest.mark.parametrize("dtype, huge", [(torch.float32, 3e38), (torch.float16, 6e4),
+                                         (torch.bfloat16, 3e38), (torch.float64, 1.7e308)])
+def test_check_finite_passes_rows_whose_sum_overflows(dtype, huge):
+    # the check sums each row first: a finite row whose sum overflows is re-tested
+    # exactly, not refused; a NaN or inf is still named, in every dtype
+    tree = make_tree([-1, 0, 0, 0, 0])
+    q, k, v = (torch.zeros(4, 2, 3, dtype=dtype) for _ in range(3))
+    v[1] = huge
+    hsa_graph.hsa(q, k, v, tree, check_finite=True)
+    v[2, 1, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^v holds a non-finite .* at leaf row 2 "):
+        hsa_graph.hsa(q, k, v, tree, check_finite=True)
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_non_finite_values_stay_in_their_tree(name):
     parents = [FUSED_TREES[0], FUSED_TREES[2], [-1, 0, 0, 0], [-1]]
