@@ -763,16 +763,19 @@ def flat_attention(x: AttentionInputs, causal: bool = False) -> Tensor:
     return y if flat.rows is None else y.index_select(0, flat.rows)
 
 
-def _weigh_leaf_rows_(st: TreeStructure, y: Tensor, acc: Tensor, m_internal: Tensor
+def _weigh_leaf_rows_(rows: Tensor, parent: Tensor, acc: Tensor, m_internal: Tensor
                       ) -> None:
-    r"""``y_i <- acc(pa(i)) + m(pa(i)) y_i`` for every leaf row ``y`` ``[N, H, Dv]`` (a
-    family's leaf rows weigh :math:`m(\mathrm{pa})` alone, whatever their bucket), in
-    chunks of leaves whose gathered ``acc`` rows are reused heap memory."""
+    r"""``y_i <- acc(pa(i)) + m(pa(i)) y_i`` in place, for leaf rows grouped under
+    their parents: ``rows`` ``[G, b, H, Dv]`` (any strides), group ``g``'s parent row
+    ``parent[g]`` (a family's leaf rows weigh :math:`m(\mathrm{pa})` alone, whatever
+    their bucket). In chunks of groups whose gathered ``acc`` rows are heap memory
+    reused chunk after chunk, not one fresh ``[G, H, Dv]`` mapping faulted in."""
     step = _rows_per_chunk(acc[:1])
-    for lo in range(0, st.num_leaves, step):
-        parent = st.leaf_parent[lo:lo + step]
-        torch.addcmul(acc.index_select(0, parent), y[lo:lo + step],
-                      m_internal.index_select(0, parent).unsqueeze(-1), out=y[lo:lo + step])
+    for lo in range(0, rows.shape[0], step):
+        above = parent[lo:lo + step]
+        torch.addcmul(acc.index_select(0, above).unsqueeze(1), rows[lo:lo + step],
+                      m_internal.index_select(0, above)[:, None, :, None],
+                      out=rows[lo:lo + step])
 
 
 def _hsa(x: AttentionInputs) -> Tensor:
@@ -813,7 +816,7 @@ def _hsa(x: AttentionInputs) -> Tensor:
                                else _rows(_leaf_part(out))
                                for bucket, out in zip(st.buckets, stats.bucket_out)],
                               0.0, v, out=y_rows)
-        _weigh_leaf_rows_(st, y, acc, m_internal)
+        _weigh_leaf_rows_(y[:st.num_leaves].unsqueeze(1), st.leaf_parent, acc, m_internal)
     else:
         rows: List[Optional[Tensor]] = []
         for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
@@ -821,19 +824,12 @@ def _hsa(x: AttentionInputs) -> Tensor:
                 rows.append(None)
                 continue
             out = _leaf_part(out).transpose(1, 2)                    # [F, b, H, Dv]
-            w = _leaf_part(w).transpose(1, 2).unsqueeze(-1)
             if inplace:  # into the family output (this call's own)
-                # in chunks of families: each chunk's gathered acc rows are heap memory
-                # reused chunk after chunk, not one fresh [F, H, Dv] mapping faulted in
-                step = _rows_per_chunk(acc[:1])
-                for lo in range(0, bucket.num_families, step):
-                    hi = min(lo + step, bucket.num_families)
-                    above = acc.index_select(0, bucket.parent[lo:hi]).unsqueeze(1)
-                    torch.addcmul(above, out[lo:hi], w[lo:hi], out=out[lo:hi])
+                _weigh_leaf_rows_(out, bucket.parent, acc, m_internal)
                 y = out
             else:
                 above = acc.index_select(0, bucket.parent).unsqueeze(1)  # [F, 1, H, Dv]
-                y = _WeightedRows.apply(above, out, w)
+                y = _WeightedRows.apply(above, out, _leaf_part(w).transpose(1, 2).unsqueeze(-1))
             rows.append(y.reshape(-1, *y.shape[2:]))
         y = st.scatter_leaves(rows, 0.0, v)
     lonely = st.lonely_leaf
