@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from torch_geometric.data import Batch
 
 from hsa_graph.cli import main
 from hsa_graph.datasets.listops import (
@@ -183,6 +184,40 @@ def test_structures_and_models_agree_on_leaves():
     with pytest.raises(ValueError, match="unknown variant"):
         build_model("tree-lstm")
     assert set(VARIANTS) >= {"hsa-tree", "hsa-windows", "fsa", "deepset", "h-transformer-1d"}
+
+
+def test_nesting_is_each_token_s_count_of_open_operators_and_reaches_the_model():
+    rows = [("[MAX 2 9 [MIN 4 7 ] 0 ]", 9), ("[SM [MED 1 [MAX 3 ] 5 ] 2 ]", 5)]
+    # the operators open around each token, counted by hand (the root operator: 0)
+    expected = [[0, 1, 1, 1, 2, 2, 1, 1, 0], [0, 1, 2, 2, 3, 2, 2, 1, 1, 0]]
+    for structure in ("parse", "parse_brackets", "windows"):
+        for tree, (expr, _), depths in zip(build_examples(rows, structure), rows, expected):
+            keep = [d for d, w in zip(depths, expr.split())
+                    if structure != "parse" or w != "]"]
+            assert tree.nesting.tolist() == keep, structure
+    batch = Batch.from_data_list(build_examples(rows, "parse"))
+    assert batch.nesting.tolist() == [d for depths, (expr, _) in zip(expected, rows)
+                                      for d, w in zip(depths, expr.split()) if w != "]"]
+    torch.manual_seed(0)
+    plain = build_model("hsa-tree", channels=16, heads=2, layers=1, hidden_channels=16)
+    torch.manual_seed(0)
+    nested = build_model("hsa-tree", channels=16, heads=2, layers=1, hidden_channels=16,
+                         nesting_embedding=True)
+    assert nested.nesting is not None and plain.nesting is None
+    nested.load_state_dict({**plain.state_dict(), "nesting.weight": torch.zeros(17, 16)})
+    assert torch.allclose(nested(batch), plain(batch))   # a zero embedding adds nothing
+    with torch.no_grad():
+        nested.nesting.weight[1:].normal_()
+    assert not torch.allclose(nested(batch), plain(batch))
+    del batch.nesting
+    with pytest.raises(ValueError, match="nesting_embedding needs trees with nesting"):
+        nested(batch)
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.listops import config_from_args
+    args = build_parser("listops").parse_args(["listops", "--quick", "--nesting-embedding"])
+    assert config_from_args(args).model_spec()["nesting_embedding"] is True
+    with pytest.raises(ValueError, match="the h-transformer-1d variant has none"):
+        ListOpsConfig(nesting_embedding=True).validate()
 
 
 def test_shared_weights_count_one_layer():
