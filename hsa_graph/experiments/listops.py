@@ -207,7 +207,10 @@ class ListOpsClassifier(Module):
             if not isinstance(nesting, Tensor) or nesting.shape != x.shape:
                 raise ValueError("nesting_embedding needs trees with nesting [N] (the "
                                  "tokens' nesting depths; build_examples attaches them)")
-            h = h + self.nesting(nesting.clamp(0, MAX_NESTING))
+            if nesting.dtype != torch.long or bool((nesting < 0).any()):
+                raise ValueError("nesting must hold depths >= 0 (long), got "
+                                 f"{nesting.dtype} with minimum {nesting.min().item()}")
+            h = h + self.nesting(nesting.clamp_max(MAX_NESTING))
         return self.classifier.encode(h, batch)
 
     def read_out_nested(self, token_outputs: Tensor, batch) -> Tensor:

@@ -14,6 +14,7 @@ from hsa_graph.datasets.listops import (
     write_listops_tsv,
 )
 from hsa_graph.experiments.listops import (
+    MAX_NESTING,
     QUICK,
     VARIANTS,
     ListOpsConfig,
@@ -209,6 +210,17 @@ def test_nesting_is_each_token_s_count_of_open_operators_and_reaches_the_model()
     with torch.no_grad():
         nested.nesting.weight[1:].normal_()
     assert not torch.allclose(nested(batch), plain(batch))
+    deep = batch.nesting.clone()
+    batch.nesting = torch.full_like(deep, 40)       # deeper than MAX_NESTING: capped
+    capped = nested(batch)
+    batch.nesting = torch.full_like(deep, MAX_NESTING)
+    assert torch.equal(nested(batch), capped)
+    batch.nesting = deep - 1
+    with pytest.raises(ValueError, match="depths >= 0"):
+        nested(batch)
+    batch.nesting = deep.float()
+    with pytest.raises(ValueError, match="depths >= 0"):
+        nested(batch)
     del batch.nesting
     with pytest.raises(ValueError, match="nesting_embedding needs trees with nesting"):
         nested(batch)
