@@ -119,6 +119,7 @@ __all__ = [
     "QUICK",
     "VARIANTS",
     "HTransformerClassifier",
+    "MAX_NESTING",
     "NestedValueLoss",
     "accuracy_breakdown",
     "add_arguments",
