@@ -208,9 +208,11 @@ class ListOpsClassifier(Module):
             if not isinstance(nesting, Tensor) or nesting.shape != x.shape:
                 raise ValueError("nesting_embedding needs trees with nesting [N] (the "
                                  "tokens' nesting depths; build_examples attaches them)")
-            if nesting.dtype != torch.long or bool((nesting < 0).any()):
-                raise ValueError("nesting must hold depths >= 0 (long), got "
-                                 f"{nesting.dtype} with minimum {nesting.min().item()}")
+            if nesting.dtype != torch.long:
+                raise ValueError(f"nesting must hold depths >= 0 (long), got {nesting.dtype}")
+            if bool((nesting < 0).any()):
+                raise ValueError("nesting must hold depths >= 0 (long), got minimum "
+                                 f"{nesting.min().item()}")
             h = h + self.nesting(nesting.clamp_max(MAX_NESTING))
         return self.classifier.encode(h, batch)
 
@@ -863,8 +865,8 @@ def _initial_model(config: ListOpsConfig, variant: str, seed: int) -> Module:
         raise ValueError(f"init_from: no checkpoint of {variant}, seed {seed} at {path}")
     _, spec, model = load_model(path)
     ours = config.model_spec()
-    # a setting added later: its default in checkpoints saved before it
-    spec = {"nesting_embedding": False, **spec}
+    # settings added after a checkpoint was saved: their defaults
+    spec = {**ListOpsConfig().model_spec(), **spec}
     differ = sorted(k for k in ours.keys() | spec.keys() if k != "max_length"
                     and ours.get(k) != spec.get(k))
     if differ:

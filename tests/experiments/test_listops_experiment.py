@@ -205,7 +205,8 @@ def test_nesting_is_each_token_s_count_of_open_operators_and_reaches_the_model()
     nested = build_model("hsa-tree", channels=16, heads=2, layers=1, hidden_channels=16,
                          nesting_embedding=True)
     assert nested.nesting is not None and plain.nesting is None
-    nested.load_state_dict({**plain.state_dict(), "nesting.weight": torch.zeros(17, 16)})
+    zero = torch.zeros(MAX_NESTING + 1, 16)
+    nested.load_state_dict({**plain.state_dict(), "nesting.weight": zero})
     assert torch.allclose(nested(batch), plain(batch))   # a zero embedding adds nothing
     with torch.no_grad():
         nested.nesting.weight[1:].normal_()
