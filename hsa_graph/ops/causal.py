@@ -63,7 +63,9 @@ plus :math:`O(M b^2 \log b)` for the family tables. The heads run in chunks whos
 ``[heads, N, b]`` intermediates are a few MiB; without autograd these are updated in
 place, and each chunk's rows of ``q, k, v`` and the subtree means are first copied into
 one contiguous head-major table per tensor, which every depth's products and gathers
-then read from the cache.
+then read from the cache; with autograd each chunk's rows are one contiguous copy per
+tensor, whose backward writes all chunks' gradients into one token-major gradient
+(:class:`_HeadChunks`).
 :class:`~hsa_graph.ops.cache.HSACache` takes the same step for one new token
 (:func:`~hsa_graph.ops.cache.spine_step`).
 """
@@ -91,20 +93,47 @@ NEG_INF = float("-inf")
 _FINITE_NEG = -1e30  # a finite floor for lambda, so that masked terms are products
 
 
+class _HeadChunks(torch.autograd.Function):
+    """Token-major ``[N, H, D]`` -> contiguous head-major chunks ``[h, N, D]`` of
+    ``sizes`` heads (every product and its backward then one batched matmul), whose
+    backward writes the chunks' gradients into one token-major ``[N, H, D]`` gradient.
+    A head-major copy, a split of it and autograd's transposed accumulation would make
+    three full-size gradients instead, each a fresh mapping that faults in page by page
+    (65,536 leaves, 8 heads, D = 64: 134 MB, about 150 ms each on a 2-core machine)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: List[int]) -> Tuple[Tensor, ...]:
+        ctx.sizes, ctx.shape = sizes, x.shape
+        return tuple(part.transpose(0, 1).contiguous() for part in torch.split(x, sizes, 1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        out, lo = grads[0].new_empty(ctx.shape), 0
+        for grad in grads:      # (split's views may not be written under create_graph)
+            out.narrow(1, lo, grad.shape[0]).copy_(grad.transpose(0, 1))
+            lo += grad.shape[0]
+        return out, None
+
+
 class _TokenMajor(torch.autograd.Function):
-    """``[H, N, Dv]`` -> contiguous ``[N, H, Dv]``, whose backward hands back a
-    contiguous head-major gradient: the backward of every tile group's ``index_add_``
-    gathers from it, and a gather from a strided gradient copies the whole of it first
-    (once per group); an expanded gradient (the one of ``y.sum()``) would also make
-    the batched matmuls' backward loop over matrices."""
+    """Head chunks ``[h, N, Dv]`` -> one contiguous ``[N, H, Dv]``, whose backward hands
+    each chunk a contiguous head-major gradient: the backward of every tile group's
+    ``index_add_`` gathers from it, and a gather from a strided gradient copies the
+    whole of it first (once per group); an expanded gradient (the one of ``y.sum()``)
+    would also make the batched matmuls' backward loop over matrices."""
 
     @staticmethod
-    def forward(ctx, y: Tensor) -> Tensor:
-        return y.transpose(0, 1).contiguous()
+    def forward(ctx, *chunks: Tensor) -> Tensor:
+        ctx.sizes = [c.shape[0] for c in chunks]
+        out = chunks[0].new_empty((chunks[0].shape[1], sum(ctx.sizes), chunks[0].shape[2]))
+        for part, chunk in zip(torch.split(out, ctx.sizes, 1), chunks):
+            part.copy_(chunk.transpose(0, 1))
+        return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.transpose(0, 1).contiguous()
+    def backward(ctx, grad: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(part.transpose(0, 1).contiguous()
+                     for part in torch.split(grad, ctx.sizes, 1))
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -318,42 +347,38 @@ class Buffers:
 
 @dataclass
 class NodeTables:
-    r"""Head-major per-node quantities of the full tree that the spine steps read.
+    r"""Head-major per-node quantities of the full tree that the spine steps read, for
+    one chunk of heads (:func:`_node_tables`).
 
-    Leaf rows are the caller's token-major ``q, k, v`` seen as ``[H, N, D]`` (without
-    autograd no copy: a tile's rows are a strided matrix that :func:`_per_head_bmm`
-    reads in place); internal rows are contiguous ``[H, I + 1, ...]``. Gathers read
-    the token-major ``rows`` (whole ``H * D`` rows; a gather along the middle axis of a
-    strided view copies element runs one by one), of unified node ids (``M``: padding)
-    for members.
+    Without autograd the leaf rows are the caller's token-major ``q, k, v`` seen as
+    ``[h, N, D]`` and the internal rows its subtree means seen likewise, until
+    :meth:`head_major` copies both into reused contiguous tables; with autograd they are
+    contiguous copies (:class:`_HeadChunks`) from the start. Gathers read the unified
+    tables head by head (an ``index_select`` along the middle axis copies element by
+    element on the CPU).
 
     Attributes:
-        leaf: ``(q, k, v)`` ``[H, N, D]`` / ``[H, N, Dv]``.
-        internal: ``(r_q, r_k, r_v)`` subtree means ``[H, I + 1, ...]`` (null row last,
+        leaf: ``(q, k, v)`` ``[h, N, D]`` / ``[h, N, Dv]``.
+        internal: ``(r_q, r_k, r_v)`` subtree means ``[h, I + 1, ...]`` (null row last,
             zero: what padding members read).
-        leaf_rows, internal_rows: the same, token-major ``[N, H, ...]`` and
-            ``[I + 1, H, ...]``.
-        lam: ``[H, M + 1]`` :math:`\lambda` of every node (padding row last).
+        lam: ``[h, M + 1]`` :math:`\lambda` of every node (padding row last).
         size: ``[M + 1]`` :math:`n(A)`; log_size: its log, ``-inf`` on the padding row.
-        pos: ``[H or 1, M + 1, P]`` node positions, or ``None``.
-        unified: ``(q, k, v)`` rows of every unified node, head-major and contiguous
-            ``[H, M + 1, .]`` (:meth:`head_major`), whose slices ``leaf`` and
-            ``internal`` then are; gathers read them. ``None``: gathers read the
-            token-major rows.
-        buffers: where the gathers from ``unified`` write (:class:`Buffers`, with it).
+        pos: ``[h or 1, M + 1, P]`` node positions, or ``None``.
+        unified: ``(q, k, v)`` rows of every unified node (``M``: padding),
+            head-major and contiguous ``[h, M + 1, .]`` (:meth:`head_major`); gathers
+            read them.
+        buffers: where the gathers write without autograd (:class:`Buffers`); ``None``
+            with autograd (fresh tensors).
     """
 
     leaf: Tuple[Tensor, Tensor, Tensor]
     internal: Tuple[Tensor, Tensor, Tensor]
-    leaf_rows: Tuple[Tensor, Tensor, Tensor]
-    internal_rows: Tuple[Tensor, Tensor, Tensor]
     lam: Tensor
     size: Tensor
     log_size: Tensor
     pos: Optional[Tensor]
     unified: Optional[Tuple[Tensor, Tensor, Tensor]] = None
     buffers: Optional[Buffers] = None
-    _unified_rows: Optional[List[Tensor]] = None
 
     def level_inputs(self, level, recording: bool) -> List[GroupInputs]:
         """The leaf rows at the slots and the member tables of every group of
@@ -411,36 +436,36 @@ class NodeTables:
 
     def _gather(self, index: Tensor, sizes: List[int], which: int, depth: int,
                 members: bool = False) -> Tuple[Tensor, ...]:
-        """Rows ``index`` of ``q``, ``k`` or ``v`` (``which``; unified ids with
-        ``members``, else leaf rows), head-major ``[H, K, .]``, split into ``sizes``.
-        From :attr:`unified`, into a buffer of its own per depth and kind: the member
-        values are read again by the top-down pass."""
-        if self.unified is not None:
-            # head by head along dim 0: torch's index_select along dim 1 copies element
-            # by element on the CPU (8 ms against 1 for 96,200 rows of 64)
-            table = self.unified[which]
-            out = self.buffers.take((depth, members, which),
-                                    (table.shape[0], index.numel(), table.shape[2]), table)
-            for head, rows in zip(table, out):
-                torch.index_select(head, 0, index, out=rows)
+        """Rows ``index`` (unified ids) of ``q``, ``k`` or ``v`` (``which``) from
+        :attr:`unified`, head-major ``[h, K, .]``, split into ``sizes``. Without
+        autograd into a buffer of its own per depth and kind: the member values are read
+        again by the top-down pass."""
+        table = self.unified[which]
+        if self.buffers is None:
+            heads = [head.index_select(0, index) for head in (
+                (table.squeeze(0),) if table.shape[0] == 1 else table.unbind(0))]
+            out = heads[0].unsqueeze(0) if len(heads) == 1 else torch.stack(heads)
             return torch.split(out, sizes, 1)
-        rows = self.leaf_rows
-        if members:
-            if self._unified_rows is None:   # token-major [M + 1, H, .], once per call
-                self._unified_rows = [torch.cat([a, c])
-                                      for a, c in zip(self.leaf_rows, self.internal_rows)]
-            rows = self._unified_rows
-        return tuple(t.transpose(0, 1) for t in torch.split(
-            rows[which].index_select(0, index), sizes))
+        out = self.buffers.take((depth, members, which),
+                                (table.shape[0], index.numel(), table.shape[2]), table)
+        for head, rows in zip(table, out):
+            torch.index_select(head, 0, index, out=rows)
+        return torch.split(out, sizes, 1)
 
-    def head_major(self, buffers: Buffers) -> NodeTables:
-        """These tables with every node's ``q, k, v`` rows copied into contiguous
-        head-major tables ``[heads, M + 1, .]`` (:attr:`unified`, from ``buffers``,
-        which the gathers then use too), without autograd. Every depth's products and
-        gathers read them: over the token-major rows, ``H * D`` apart, a product costs
-        about 1.5x and a gather 3x or more what it costs over contiguous ones, and a
-        chunk of one head (54 MiB at 65,536 leaves, D = 64) stays in the cache from
-        depth to depth."""
+    def head_major(self, buffers: Optional[Buffers]) -> NodeTables:
+        """These tables with every node's ``q, k, v`` rows in contiguous head-major
+        tables ``[h, M + 1, .]`` (:attr:`unified`). Without autograd (``buffers``) the
+        leaf and internal rows are copied into tables from ``buffers`` (which the gathers
+        then use too), whose slices they become: every depth's products and gathers read
+        them, and over the token-major rows, ``H * D`` apart, a product costs about 1.5x
+        and a gather 3x or more what it costs over contiguous ones, and a chunk of one
+        head (54 MiB at 65,536 leaves, D = 64) stays in the cache from depth to depth.
+        With autograd (``None``) the tables are concatenations, and the leaf and
+        internal rows stay what they are (a slice's backward would zero-fill a gradient
+        of the whole table)."""
+        if buffers is None:
+            return replace(self, unified=tuple(torch.cat([leaf, internal], 1)
+                                               for leaf, internal in zip(self.leaf, self.internal)))
         n = self.leaf[0].shape[1]
         tables = []
         for j, (leaf, internal) in enumerate(zip(self.leaf, self.internal)):
@@ -452,27 +477,6 @@ class NodeTables:
         return replace(self, leaf=tuple(t[:, :n] for t in tables),
                        internal=tuple(t[:, n:] for t in tables),
                        unified=tuple(tables), buffers=buffers)
-
-    def split(self, sizes: List[int]) -> List[NodeTables]:
-        """The tables of consecutive head chunks of ``sizes`` heads (views through
-        ``torch.split``, whose backward concatenates the chunks' gradients: a slice's
-        would zero-fill a gradient of the whole table per chunk; positions shared by all
-        heads stay whole)."""
-        if len(sizes) == 1:
-            return [self]
-
-        def parts(t: Tensor, dim: int = 0) -> Tuple[Tensor, ...]:
-            return torch.split(t, sizes, dim)
-        leaf = list(zip(*(parts(t) for t in self.leaf)))
-        internal = list(zip(*(parts(t) for t in self.internal)))
-        leaf_rows = list(zip(*(parts(t, 1) for t in self.leaf_rows)))
-        internal_rows = list(zip(*(parts(t, 1) for t in self.internal_rows)))
-        lam = parts(self.lam)
-        pos = ([self.pos] * len(sizes) if self.pos is None or self.pos.shape[0] == 1
-               else parts(self.pos))
-        return [NodeTables(leaf=leaf[i], internal=internal[i], leaf_rows=leaf_rows[i],
-                           internal_rows=internal_rows[i], lam=lam[i], size=self.size,
-                           log_size=self.log_size, pos=pos[i]) for i in range(len(sizes))]
 
 
 @dataclass(frozen=True)
@@ -504,39 +508,51 @@ class SpineStep:
     family_lam: Tensor
 
 
-def _node_tables(st: TreeStructure, means: Tuple[Tensor, Tensor, Tensor], q: Tensor,
-                 k: Tensor, v: Tensor, include_self: bool, scale: float,
-                 pos: Optional[Tensor], recording: bool) -> NodeTables:
+def _node_tables(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_self: bool,
+                 scale: float, pos: Optional[Tensor], sizes: List[int], recording: bool,
+                 means: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> List[NodeTables]:
+    """The :class:`NodeTables` of consecutive chunks of ``sizes`` heads; ``means``: the
+    subtree means ``[I + 1, H, .]`` of ``q, k, v`` where the caller has them."""
     size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
-
-    def head_major(t: Tensor) -> Tensor:
-        return t.transpose(0, 1).contiguous()
-
-    node_pos = None
+    log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
+    node_pos = [None] * len(sizes)
     if pos is not None:
         p = st.to_unified(pos.to(q.dtype))
         p = p.unsqueeze(1) if p.dim() == 2 else p
-        node_pos = head_major(torch.cat([p, p.new_zeros((1, *p.shape[1:]))]))
-    log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
-    # without autograd the leaf rows are read in place; with it, contiguous head-major
-    # copies keep every product (and its backward) one batched matmul
-    leaf = tuple(head_major(t) if recording else t.transpose(0, 1) for t in (q, k, v))
-    # an internal node's lambda comes from its family's scan when its depth runs
-    # (:func:`_family_lam`); NaN until then, so that a read before it would show
-    internal_lam = q.new_full((q.shape[1], st.num_internal + 1), float("nan"))
-    internal_lam[:, -1] = 0.0                                       # the padding row
+        p = torch.cat([p, p.new_zeros((1, *p.shape[1:]))]).transpose(0, 1).contiguous()
+        node_pos = [p] * len(sizes) if p.shape[0] == 1 else torch.split(p, sizes)
     if recording:
-        # lambda from the head-major copies: as a third reader of q and k its gradient
-        # (a Python Function's, which autograd cannot add into in place) would meet
-        # the family softmax's and be summed into a fresh [N, H, D] tensor
-        leaf_lam = _leaf_lam(st, leaf[0], leaf[1], include_self, scale, pos,
-                             heads_first=True)
+        leaf = [_HeadChunks.apply(t, sizes) for t in (q, k, v)]
+        if means is None:
+            # each chunk's means from its own copies: their gradient is then
+            # chunk-sized and added into the chunk's, not a second full-size one
+            per_chunk = [st.subtree_means(*(t.transpose(0, 1) for t in chunk))
+                         for chunk in zip(*leaf)]
+            internal = [[m.transpose(0, 1).contiguous() for m in chunk_means]
+                        for chunk_means in zip(*per_chunk)]
+        else:
+            internal = [_HeadChunks.apply(t, sizes) for t in means]
+        # each chunk's lambda from its own copies: their gradients stay chunk-sized
+        leaf_lam = [_leaf_lam(st, lq, lk, include_self, scale, pos, heads_first=True)
+                    for lq, lk in zip(leaf[0], leaf[1])]
     else:
-        leaf_lam = _leaf_lam(st, q, k, include_self, scale, pos).transpose(0, 1)
-    return NodeTables(leaf=leaf, internal=tuple(head_major(t) for t in means),
-                      leaf_rows=(q, k, v), internal_rows=means,
-                      lam=torch.cat([leaf_lam, internal_lam], 1), size=size,
-                      log_size=log_size, pos=node_pos)
+        means = st.subtree_means(q, k, v) if means is None else means
+        # views: NodeTables.head_major copies each chunk when it runs
+        leaf, internal = ([torch.split(t.transpose(0, 1), sizes) for t in tensors]
+                          for tensors in ((q, k, v), means))
+        leaf_lam = torch.split(_leaf_lam(st, q, k, include_self, scale, pos).transpose(0, 1),
+                               sizes)
+    out = []
+    for i, h in enumerate(sizes):
+        # an internal node's lambda comes from its family's scan when its depth runs
+        # (:func:`_family_lam`); NaN until then, so that a read before it would show
+        internal_lam = q.new_full((h, st.num_internal + 1), float("nan"))
+        internal_lam[:, -1] = 0.0                                   # the padding row
+        out.append(NodeTables(leaf=tuple(t[i] for t in leaf),
+                              internal=tuple(t[i] for t in internal),
+                              lam=torch.cat([leaf_lam[i], internal_lam], 1), size=size,
+                              log_size=log_size, pos=node_pos[i]))
+    return out
 
 
 def _per_head_bmm(a: Tensor, b: Tensor, recording: bool) -> Tensor:
@@ -861,22 +877,21 @@ def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
     same inputs when the caller has it already (the cache's prefill)."""
     recording = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, pos))
-    means = st.subtree_means(q, k, v) if stats is None else (stats.rq, stats.rk, stats.rv)
-    nodes = _node_tables(st, means, q, k, v, include_self, scale, pos, recording)
     # heads run in chunks whose [heads, slots, b] intermediates stay small: those are
     # then reused heap memory, not fresh mappings that fault in page by page
     widest = max((sum(g.num_tiles * g.tile * g.size for g in level.groups)
                   for level in plan.levels), default=1)
     h = q.shape[1]
-    consts = [[_slot_tables(g, nodes, q.dtype) for g in level.groups]
-              for level in plan.levels]
     per_chunk = max(1, _CHUNK_BYTES // (widest * q.element_size()))
     sizes = [min(per_chunk, h - lo) for lo in range(0, h, per_chunk)]
-    parts = nodes.split(sizes)
+    parts = _node_tables(st, q, k, v, include_self, scale, pos, sizes, recording,
+                         None if stats is None else (stats.rq, stats.rk, stats.rv))
+    consts = [[_slot_tables(g, parts[0], q.dtype) for g in level.groups]
+              for level in plan.levels]
     if recording:
-        return _TokenMajor.apply(torch.cat([
-            _causal_heads(st, plan, consts, part, include_self, scale, recording)
-            for part in parts]))
+        return _TokenMajor.apply(*(
+            _causal_heads(st, plan, consts, part.head_major(None), include_self, scale,
+                          recording) for part in parts))
     y = torch.empty_like(v)
     buffers = Buffers()
     for lo, part in zip(range(0, h, per_chunk), parts):
