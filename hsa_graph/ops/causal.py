@@ -354,8 +354,7 @@ class NodeTables:
     ``[h, N, D]`` and the internal rows its subtree means seen likewise, until
     :meth:`head_major` copies both into reused contiguous tables; with autograd they are
     contiguous copies (:class:`_HeadChunks`) from the start. Gathers read the unified
-    tables head by head (an ``index_select`` along the middle axis copies element by
-    element on the CPU).
+    tables head by head (:func:`_take`).
 
     Attributes:
         leaf: ``(q, k, v)`` ``[h, N, D]`` / ``[h, N, Dv]``.
@@ -442,10 +441,7 @@ class NodeTables:
         again by the top-down pass."""
         table = self.unified[which]
         if self.buffers is None:
-            heads = [head.index_select(0, index) for head in (
-                (table.squeeze(0),) if table.shape[0] == 1 else table.unbind(0))]
-            out = heads[0].unsqueeze(0) if len(heads) == 1 else torch.stack(heads)
-            return torch.split(out, sizes, 1)
+            return torch.split(_take(table, index), sizes, 1)
         out = self.buffers.take((depth, members, which),
                                 (table.shape[0], index.numel(), table.shape[2]), table)
         for head, rows in zip(table, out):
