@@ -714,6 +714,25 @@ class TreeStructure:
             out[-1:].zero_()
         return out
 
+    def add_parent_rows_(self, leaf_rows: Tensor, internal_rows: Tensor) -> Tensor:
+        """``leaf_rows[i] += internal_rows[leaf_parent(i)]`` in place, for ``[N, ...]``
+        leaf rows and ``[I + 1, ...]`` internal rows: the adjoint of :meth:`to_internal`
+        (a leaf that is a root takes nothing: the null row it would read is zero there).
+        A chunk of rows at a time, each chunk's gathered rows in one reused scratch: a
+        whole ``[N, ...]`` gather would be a fresh mapping faulted in on every call.
+        Returns ``leaf_rows``."""
+        parents = self.leaf_parent
+        if self.lonely_leaf.numel():  # a leaf that is a root reads the null row: zero it
+            internal_rows = torch.cat([internal_rows[:-1], internal_rows.new_zeros(
+                (1, *internal_rows.shape[1:]))])
+        step = _rows_per_chunk(leaf_rows)
+        scratch = internal_rows.new_empty((min(step, leaf_rows.shape[0]), *internal_rows.shape[1:]))
+        for lo in range(0, leaf_rows.shape[0], step):
+            rows = parents[lo:lo + step]
+            leaf_rows[lo:lo + step].add_(torch.index_select(internal_rows, 0, rows,
+                                                             out=scratch[:rows.numel()]))
+        return leaf_rows
+
     @property
     def whole_leaf_bucket(self) -> Optional[int]:
         """Index of the bucket holding every leaf in leaf order, when there is one."""
@@ -764,28 +783,37 @@ class TreeStructure:
         return self.subtree_mean_of_sums(self.subtree_sum(leaf_values))
 
     def subtree_means(self, *leaf_values: Tensor,
-                      family_sums: Optional[Sequence[Tensor]] = None) -> tuple:
+                      family_sums: Optional[Sequence[Tensor]] = None,
+                      leaf_sums: Optional[Sequence[Tensor]] = None) -> tuple:
         """:meth:`subtree_mean` of several ``[N, H, *]`` tensors (e.g. ``q, k, v``) in one
         bottom-up pass (each tensor's means contiguous where autograd records nothing,
         computed in place then). ``family_sums``: per tensor, its sums over the families
         of the :attr:`whole_leaf_bucket` (``[F, H, *]``, already computed by the caller),
-        used instead of summing the leaves again (see :meth:`to_internal`)."""
-        inplace = not records_grad(*leaf_values)
+        used instead of summing the leaves again (see :meth:`to_internal`).
+        ``leaf_sums``: where autograd records, per tensor its :meth:`to_internal` sums
+        (``[I + 1, H, *]``), already computed by the caller (e.g. in one recorded node
+        with the leaves' family softmax, whose backward adds their gradients into the
+        leaves' in place), used instead of ``leaf_values``' own."""
+        inplace = not records_grad(*leaf_values, *(leaf_sums or ()))
         sums_of = list(family_sums) if family_sums is not None else [None] * len(leaf_values)
+        if leaf_sums is not None and (inplace or family_sums is not None
+                                      or len(leaf_sums) != len(leaf_values)):
+            raise ValueError("subtree_means: leaf_sums are recorded sums, one per tensor, "
+                             "given without family_sums")
         if not inplace:
             # recorded: one autograd node for the pass and the division, over one buffer
             # (_StackedMeans), the family sums written straight into their rows
-            if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D
-                parts = [self.to_internal(t, family_sums=f)
-                         for t, f in zip(leaf_values, sums_of)]
-                return tuple(_LinearPass.apply(self, p, True, False, self._inverse_size(p))
-                             for p in parts)
             whole = self.whole_leaf_bucket
             rows = None if whole is None else self.buckets[whole].parent_range
-            if family_sums is not None and rows is not None:
+            same_shape = len({t.shape[1:] for t in leaf_values}) == 1
+            if same_shape and family_sums is not None and rows is not None:
                 return _StackedMeans.apply(self, rows, *sums_of)
-            return _StackedMeans.apply(self, None, *(
-                self.to_internal(t, family_sums=f) for t, f in zip(leaf_values, sums_of)))
+            parts = (list(leaf_sums) if leaf_sums is not None else
+                     [self.to_internal(t, family_sums=f) for t, f in zip(leaf_values, sums_of)])
+            if not same_shape:  # e.g. Dv != D
+                return tuple(_LinearPass.apply(self, p, True, False, self._inverse_size(p))
+                             for p in parts)
+            return _StackedMeans.apply(self, None, *parts)
         if len({t.shape[1:] for t in leaf_values}) > 1:  # e.g. Dv != D: one pass each
             return tuple(self.subtree_mean_of_sums(
                 self.bottom_up(self.to_internal(t, family_sums=f), inplace=True),
@@ -1041,6 +1069,8 @@ class TreeStructure:
         slots = self._copied_slots(skip)
         if records_grad(leaf_values, internal_values):
             for kind, indices, index, lengths in self.shared_gathers:
+                if any(i in skip for i in indices):  # the others gathered one by one
+                    continue
                 values = leaf_values if kind == "leaf" else internal_values
                 parts = values.index_select(0, index).split(lengths)
                 for i, part in zip(indices, parts):

@@ -144,22 +144,138 @@ class _FamilyAttention(torch.autograd.Function):
             grads = [g if g is None or d is None else g + d.unsqueeze(2)
                      for g, d in zip(grads, d_sums)]
             return (*grads, None, None, None)
-        grads = None if d_out is None else cpu_flash_attention_backward(
-            q, k, v, bias, out, lse, d_out, d_lse, ctx.scale)
-        if grads is None:
-            # Gradients written head by head into tensors with the strides of q, k, v
-            # (token-major [F, b, H, D] rows): nothing is stacked or copied afterwards.
-            grads = [torch.empty_like(t) if need else None
-                     for t, need in zip((q, k, v), needs[:3])]
-            for h in range(q.shape[1]):
-                _family_attention_backward_head(
-                    ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
-                        q, k, v, bias, out, lse, d_out, d_lse)),
-                    into=[None if g is None else g[:, h] for g in grads])
+        grads = _family_attention_grads(q, k, v, bias, out, lse, d_out, d_lse, ctx.scale,
+                                        needs)
         grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
                  for g, d in zip(grads, d_sums)]
         return (*(g if need else None for g, need in zip(grads, needs[:3])),
                 None, None, None)
+
+
+def _family_attention_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                            out: Tensor, lse: Tensor, d_out: Optional[Tensor],
+                            d_lse: Optional[Tensor], scale: float, needs: Tuple[bool, ...]
+                            ) -> List[Optional[Tensor]]:
+    """``dq, dk, dv`` of :class:`_FamilyAttention` (``[F, H, b, ...]`` operands, any
+    strides) where autograd records nothing: the fused CPU kernels where they apply,
+    else batched matmuls head by head; ``None`` where ``needs`` says so (a fused
+    kernel's extra gradients may be given anyway)."""
+    if d_out is not None and 0 in d_out.stride():  # e.g. the expanded gradient of a sum
+        d_out = d_out.contiguous()
+    grads = None if d_out is None else cpu_flash_attention_backward(
+        q, k, v, bias, out, lse, d_out, d_lse, scale)
+    if grads is not None:
+        return list(grads)
+    # Gradients written head by head into tensors with the strides of q, k, v
+    # (token-major [F, b, H, D] rows): nothing is stacked or copied afterwards.
+    grads = [torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs[:3])]
+    for h in range(q.shape[1]):
+        _family_attention_backward_head(
+            scale, needs, *(None if t is None else _head(t, h) for t in (
+                q, k, v, bias, out, lse, d_out, d_lse)),
+            into=[None if g is None else g[:, h] for g in grads])
+    return grads
+
+
+class _LeafGatherFamilies(torch.autograd.Function):
+    r"""The family softmax of every bucket of leaves read by index
+    (:attr:`~hsa_graph.structure.FamilyBucket.leaf_gather`: ragged families) where
+    autograd records, as one node that runs a chunk of families at a time forward and
+    backward (:meth:`~hsa_graph.structure.TreeStructure.gather_leaf_chunks`).
+
+    Inputs: the leaf rows of the family softmax's queries, keys and values
+    ``[N, H, D]``, ``[N, H, D]``, ``[N, H, Dv]``. Returns, for the buckets ``indices``
+    in order, each bucket's ``out`` ``[F, H, b, Dv]`` and ``lse`` ``[F, H, b]`` (as
+    :class:`_FamilyAttention`), then with ``num_sums = T`` the :meth:`~hsa_graph.
+    structure.TreeStructure.to_internal` sums of the first ``T`` inputs
+    (``[I + 1, H, *]``, where the subtree means start).
+
+    The backward gathers each chunk's members again into a reused scratch, copies their
+    gradients (:func:`_family_attention_grads`) into one gradient per input and adds the
+    sums' gradients into it (:meth:`~hsa_graph.structure.TreeStructure.add_parent_rows_`):
+    each input receives one full-size gradient. Recorded op by op, one gather per input
+    feeds all buckets, and its split, its scatter and the sums' gather each form another
+    full-size tensor per input in the backward, fresh mappings whose pages fault in on
+    every call. Under ``create_graph`` (and under ``torch.compile``) the backward
+    differentiates :func:`_leaf_gather_families_recorded`, the same results in recorded
+    ops, so it differentiates twice.
+    """
+
+    @staticmethod
+    def forward(ctx, st: TreeStructure, indices: Tuple[int, ...], include_self: bool,
+                scale: float, num_sums: int, q: Tensor, k: Tensor, v: Tensor):
+        ctx.st, ctx.indices, ctx.include_self = st, indices, include_self
+        ctx.scale, ctx.num_sums = scale, num_sums
+        results: List[Tensor] = []
+        for index in indices:
+            bucket = st.buckets[index]
+            f, b = bucket.num_families, bucket.size
+            rows = v.new_empty((f * b, *v.shape[1:]))          # token-major slot rows
+            results += [rows.view(f, b, *v.shape[1:]).transpose(1, 2),
+                        _leaf_bucket_into_rows(st, index, (q, k, v), include_self, scale,
+                                               rows, slot_order=True)]
+        ctx.save_for_backward(q, k, v, *results)
+        return (*results, *(st.to_internal(t) for t in (q, k, v)[:num_sums]))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        st, indices, scale = ctx.st, ctx.indices, ctx.scale
+        q, k, v, *results = ctx.saved_tensors
+        needs = ctx.needs_input_grad[5:]
+        d_results, d_sums = grads[:len(results)], grads[len(results):]
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            inputs = [t for t, need in zip((q, k, v), needs) if need]
+            with torch.enable_grad():
+                outs = _leaf_gather_families_recorded(st, indices, ctx.include_self, scale,
+                                                      ctx.num_sums, q, k, v)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], inputs,
+                                           [g for _, g in pairs], create_graph=True,
+                                           allow_unused=True))
+            return (None,) * 5 + tuple(
+                (next(got) if need else None) for need in needs)
+        n = st.num_leaves
+        # one extra row takes the padding slots' gradients (leaf_rows_of_slots)
+        d_inputs = [t.new_zeros((n + 1, *t.shape[1:])) if need else None
+                    for t, need in zip((q, k, v), needs)]
+        for j, index in enumerate(indices):
+            out, lse = results[2 * j], results[2 * j + 1]
+            d_out, d_lse = d_results[2 * j], d_results[2 * j + 1]
+            if d_out is None and d_lse is None:
+                continue
+            bucket = st.buckets[index]
+            b = bucket.size
+            bias = _bucket_bias(bucket, ctx.include_self, q.dtype)
+            dest = st.leaf_rows_of_slots(index)
+            for lo, hi, members in st.gather_leaf_chunks(bucket, (q, k, v)):
+                part = slice(lo, hi)
+                chunk = _family_attention_grads(
+                    *(t.transpose(1, 2) for t in members),
+                    None if bias is None else bias[part], out[part], lse[part],
+                    None if d_out is None else d_out[part],
+                    None if d_lse is None else d_lse[part], scale, (*needs, False))
+                for grad, g in zip(d_inputs, chunk):
+                    if grad is not None:
+                        grad.index_copy_(0, dest[lo * b:hi * b], _rows(g))
+        for grad, d_sum in zip(d_inputs, d_sums):
+            if grad is not None and d_sum is not None:
+                st.add_parent_rows_(grad[:n], d_sum)
+        return (None,) * 5 + tuple(None if g is None else g[:n] for g in d_inputs)
+
+
+def _leaf_gather_families_recorded(st: TreeStructure, indices: Tuple[int, ...],
+                                   include_self: bool, scale: float, num_sums: int,
+                                   q: Tensor, k: Tensor, v: Tensor) -> List[Tensor]:
+    """:class:`_LeafGatherFamilies`' results in recorded ops (each bucket gathered
+    whole, its softmax one :class:`_FamilyAttention` node), for its backward under
+    ``create_graph`` and for tracing."""
+    results: List[Tensor] = []
+    for index in indices:
+        bucket = st.buckets[index]
+        members = [st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)]
+        results += _FamilyAttention.apply(*members, _bucket_bias(bucket, include_self,
+                                                                 q.dtype), scale)
+    return results + [st.to_internal(t) for t in (q, k, v)[:num_sums]]
 
 
 def _family_sum(t: Tensor) -> Tensor:
@@ -481,51 +597,65 @@ def _positions_by_row(st: TreeStructure, pos: Optional[Tensor], dtype: torch.dty
     return pos_u[:n], torch.cat([pos_u[n:], pos_u.new_zeros((1, *pos_u.shape[1:]))])
 
 
-def _family_operands(q: Tensor, k: Tensor, v: Optional[Tensor], means: Tuple,
-                     pos_leaf: Optional[Tensor], pos_internal: Optional[Tensor],
-                     scale: float) -> Tuple[Tuple, Tuple, float]:
-    r"""Queries, keys and values of the family softmax for leaf rows and internal rows,
-    and its scale. Positions join as extra features, so that
+def _leaf_operands(q: Tensor, k: Tensor, v: Optional[Tensor], pos_leaf: Optional[Tensor],
+                   scale: float) -> Tuple[Tuple[Tensor, Tensor, Tensor], float]:
+    r"""Queries, keys and values of the family softmax for leaf rows, and its scale.
+    Positions join as extra features, so that
     :math:`\langle q s \oplus p, k \oplus p\rangle = s\langle q, k\rangle +
     \langle p, p\rangle` is one dot product (scale 1); without values the keys stand
-    in (same width, so the fused kernel applies)."""
-    rq, rk, rv = means
-    fq_leaf, fk_leaf, fq_internal, fk_internal = q, k, rq, rk
+    in (same width, so the fused kernel applies); values narrower than the keys get
+    zero features (see :func:`_internal_operands`)."""
+    fq, fk = q, k
     if pos_leaf is not None:
-        h = q.shape[1]
-        pl, pi = pos_leaf.expand(-1, h, -1), pos_internal.expand(-1, h, -1)
-        fq_leaf, fk_leaf = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1)
-        if rq is not None:
-            fq_internal = torch.cat([rq * scale, pi], -1)
-            fk_internal = torch.cat([rk, pi], -1)
-        scale = 1.0
-    fv_leaf, fv_internal = (fk_leaf, fk_internal) if v is None else (v, rv)
-    if v is not None and v.shape[-1] < fq_leaf.shape[-1]:
+        pl = pos_leaf.expand(-1, q.shape[1], -1)
+        fq, fk, scale = torch.cat([q * scale, pl], -1), torch.cat([k, pl], -1), 1.0
+    fv = fk if v is None else v
+    if v is not None and v.shape[-1] < fq.shape[-1]:
         # the fused kernels need the values as wide as the keys: zero features added
         # once here (the outputs' are sliced off), not in every bucket and its backward
-        width = fq_leaf.shape[-1]
-        fv_leaf = _widened(fv_leaf, width)
-        fv_internal = None if fv_internal is None else _widened(fv_internal, width)
-    return (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), scale
+        fv = _widened(v, fq.shape[-1])
+    return (fq, fk, fv), scale
+
+
+def _internal_operands(means: Tuple, pos_internal: Optional[Tensor], scale: float,
+                       leaf_operands: Tuple[Tensor, Tensor, Tensor], values: bool
+                       ) -> Tuple[Optional[Tensor], ...]:
+    """As :func:`_leaf_operands`, for the internal rows (the subtree means ``rq, rk,
+    rv``, any ``None`` when not computed), laid out like ``leaf_operands``."""
+    rq, rk, rv = means
+    fq, fk = rq, rk
+    if pos_internal is not None and rq is not None:
+        pi = pos_internal.expand(-1, rq.shape[1], -1)
+        fq, fk = torch.cat([rq * scale, pi], -1), torch.cat([rk, pi], -1)
+    fv = rv if values else fk
+    width = leaf_operands[2].shape[-1]
+    if values and rv is not None and rv.shape[-1] < width:
+        fv = _widened(rv, width)
+    return fq, fk, fv
 
 
 def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor, ...],
-                           include_self: bool, scale: float, rows_out: Tensor) -> Tensor:
+                           include_self: bool, scale: float, rows_out: Tensor,
+                           slot_order: bool = False) -> Tensor:
     """The family softmax of bucket ``index`` (leaves only, read by index), a chunk of
     families at a time (:meth:`~hsa_graph.structure.TreeStructure.gather_leaf_chunks`),
     each chunk's output rows copied into ``rows_out`` (``[N + 1, H, Dv]``, padding slots
-    into its spare row) while they are in cache. Returns the log-sum-exp ``[F, H, b]``.
-    No autograd."""
+    into its spare row; with ``slot_order``, ``[F * b, H, Dv]`` rows in slot order)
+    while they are in cache. Returns the log-sum-exp ``[F, H, b]``. No autograd."""
     bucket = st.buckets[index]
     f, b = bucket.num_families, bucket.size
     bias = _bucket_bias(bucket, include_self, operands[0].dtype)
-    dest = st.leaf_rows_of_slots(index)
+    dest = None if slot_order else st.leaf_rows_of_slots(index)
     lse = operands[0].new_empty((f, operands[0].shape[1], b))
     for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands):
         out, lse[lo:hi] = _family_attention_forward(
             cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2),
             None if bias is None else bias[lo:hi], scale)
-        rows_out.index_copy_(0, dest[lo * b:hi * b], _rows(out))
+        if slot_order:
+            rows_out[lo * b:hi * b].view(hi - lo, b, *rows_out.shape[1:]).copy_(
+                out.transpose(1, 2))
+        else:
+            rows_out.index_copy_(0, dest[lo * b:hi * b], _rows(out))
     return lse
 
 
@@ -563,14 +693,31 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         first[whole] = _FamilyAttention.apply(
             *(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)),
             _bucket_bias(bucket, include_self, q.dtype), scale, True)
+    pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
+    leaf_operands, fscale = _leaf_operands(q, k, v, pos_leaf, scale)
+    # Where autograd records, the buckets of leaves read by index run as one node, in
+    # chunks (see _LeafGatherFamilies); where its operands are q, k, v themselves it
+    # also hands the subtree means their leaf sums
+    gathered = {}
+    leaf_sums = None
+    indices = tuple(i for i, b in enumerate(st.buckets) if b.leaf_gather is not None)
+    if indices and records_grad(*leaf_operands) and not torch.compiler.is_compiling():
+        sources = (q, k) if v is None else (q, k, v)
+        num_sums = len(sources) if need_means and all(
+            a is b for a, b in zip(leaf_operands, sources)) else 0
+        results = _LeafGatherFamilies.apply(st, indices, include_self, fscale, num_sums,
+                                            *leaf_operands)
+        gathered = {i: results[2 * j:2 * j + 2] for j, i in enumerate(indices)}
+        leaf_sums = results[2 * len(indices):] or None
     rq = rk = rv = None
     if need_means:
         rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]),
-                                         family_sums=first[whole][2:] if first else None)
+                                         family_sums=first[whole][2:] if first else None,
+                                         leaf_sums=leaf_sums)
         rv = rest[0] if rest else None
-    pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
-    (fq_leaf, fk_leaf, fv_leaf), (fq_internal, fk_internal, fv_internal), fscale = (
-        _family_operands(q, k, v, (rq, rk, rv), pos_leaf, pos_internal, scale))
+    fq_leaf, fk_leaf, fv_leaf = leaf_operands
+    fq_internal, fk_internal, fv_internal = _internal_operands(
+        (rq, rk, rv), pos_internal, scale, leaf_operands, v is not None)
 
     bucket_out: List[Optional[BucketRows]] = []
     bucket_lse: List[BucketRows] = []
@@ -585,11 +732,14 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
               and fv_leaf.shape[-1] == v.shape[-1])
     streamed = {i for i, b in enumerate(st.buckets)
                 if direct and b.leaf_gather is not None and i not in first}
-    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse, skip=streamed)
+    members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse,
+                                      skip=streamed | set(gathered))
                     for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]
+        elif index in gathered:
+            out, lse = gathered[index]
         elif index in streamed:
             out, lse = None, _leaf_bucket_into_rows(
                 st, index, (fq_leaf, fk_leaf, fv_leaf), include_self, fscale,

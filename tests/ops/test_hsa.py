@@ -1139,3 +1139,98 @@ def test_leaf_buckets_read_by_index_in_chunks(monkeypatch, chunk_bytes):
                 torch.testing.assert_close(
                     y, dense_hsa(parent, q, k, vals, include_self=include_self, pos=p),
                     **TOL)
+
+
+def _ragged_leaf_families(num_families: int, seed: int) -> list:
+    """A root over ``num_families`` families of 2..30 leaves, the leaves shuffled: the
+    families are buckets of leaves read by index (``leaf_gather``), with padding."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(2, 31, (num_families,), generator=g)
+    owner = torch.repeat_interleave(torch.arange(num_families), sizes)
+    owner = owner[torch.randperm(owner.numel(), generator=g)]
+    return [-1] + [0] * num_families + (1 + owner).tolist()
+
+
+# a mixed root family, padded leaf families in one leaf_gather bucket, two lonely leaves
+# (an only child, and a tree that is one leaf) and a flat tree
+LEAF_GATHER_SMALL = [-1, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 1, 2, 2, 3, -1, -1, 18, 18, 18]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+@pytest.mark.parametrize("with_pos", [False, True])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dv", [3, 2, 5])
+@pytest.mark.parametrize("parent", [LEAF_GATHER_SMALL, _ragged_leaf_families(80, 0)],
+                         ids=["small", "ragged"])
+def test_leaf_gather_buckets_match_reference(parent, dv, include_self, with_pos,
+                                             chunk_bytes, monkeypatch):
+    """Where autograd records, the buckets of leaves read by index run as one node in
+    chunks of families (one family per chunk with ``chunk_bytes = 1``), which also
+    gives the subtree means their leaf sums and adds their gradients in place: output
+    and gradients against the dense reference, values narrower and wider than the keys
+    (no fused sums for the narrower), with positions (no fused sums), and inputs of
+    which only some require gradients."""
+    from hsa_graph import structure
+    if chunk_bytes is not None:
+        monkeypatch.setattr(structure, "_CHUNK_BYTES", chunk_bytes)
+    tree, t = make_tree(parent), Tree(parent)
+    gathered = [b for b in tree.structure.buckets if b.leaf_gather is not None]
+    assert gathered and (len(gathered) >= 2 or parent is LEAF_GATHER_SMALL)
+    q, k, v, pos = random_inputs(t.num_leaves, t.num_nodes, 2, 3, dv, seed=11,
+                                 pos_dim=2 if with_pos else 0)
+    w = torch.randn(t.num_leaves, 2, dv, generator=torch.Generator().manual_seed(3), dtype=DT)
+    y_ref = None
+    for needs in ((True, True, True), (False, False, True), (True, False, False)):
+        inputs = [x.clone().requires_grad_(need) for x, need in zip((q, k, v), needs)]
+        y = hsa_graph.hsa(*inputs, tree, include_self=include_self, pos=pos)
+        ref_inputs = [x.clone().requires_grad_(need) for x, need in zip((q, k, v), needs)]
+        y_ref = dense_hsa(parent, *ref_inputs, include_self=include_self, pos=pos)
+        torch.testing.assert_close(y, y_ref, **TOL)
+        wanted = [x for x, need in zip(inputs, needs) if need]
+        ref_wanted = [x for x, need in zip(ref_inputs, needs) if need]
+        for a, b in zip(_grads((w * y).sum(), wanted), _grads((w * y_ref).sum(), ref_wanted)):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def test_leaf_gather_buckets_double_backward():
+    tree, t = make_tree(LEAF_GATHER_SMALL), Tree(LEAF_GATHER_SMALL)
+    inputs = [x.requires_grad_(True)
+              for x in random_inputs(t.num_leaves, t.num_nodes, 2, 3, 3, seed=12)[:3]]
+    for include_self in (True, False):
+        assert torch.autograd.gradgradcheck(
+            lambda q, k, v, s=include_self: hsa_graph.hsa(q, k, v, tree, include_self=s),
+            inputs)
+
+
+def test_leaf_gather_backward_forms_one_full_size_gradient_per_input(monkeypatch):
+    """The recorded ragged path allocates each input's gradient once: no shared gather
+    of the leaves, no concatenation of the buckets' gradients, no full-size gather of the
+    means' gradients. torch.profiler's memory events inside hsa's backward nodes (the
+    loss's own ``MulBackward0`` left out), with chunks far smaller than ``q`` as on large
+    trees: at most one allocation of the size of ``q`` or more per input, plus one for
+    the gradient of the output's rows before they are put in leaf order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hsa_graph import structure
+    monkeypatch.setattr(structure, "_CHUNK_BYTES", 1 << 16)
+    parent = _ragged_leaf_families(80, 1)
+    tree = make_tree(parent)
+    n = Tree(parent).num_leaves
+    q, k, v = (torch.randn(n, 4, 16, requires_grad=True) for _ in range(3))
+    assert q.numel() * q.element_size() > 4 * structure._CHUNK_BYTES
+    y = hsa_graph.hsa(q, k, v, tree)
+    loss = (y * torch.randn_like(y)).sum()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    size = q.numel() * q.element_size()
+
+    def in_loss(e) -> bool:
+        while e is not None:
+            if e.name == "MulBackward0":
+                return True
+            e = e.cpu_parent
+        return False
+
+    big = [e for e in prof.events() if e.cpu_memory_usage >= size and not in_loss(e)
+           and not any(c.cpu_memory_usage >= size for c in e.cpu_children)]
+    assert 3 <= len(big) <= 4, [(e.name, e.cpu_memory_usage) for e in big]
