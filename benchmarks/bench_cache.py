@@ -8,7 +8,9 @@ prints, and writes to ``benchmarks/results/bench_cache.{json,md}``:
   every sequence) at ``B = 1`` with 4,096 and 65,536 cached tokens and at ``B = 32``
   with 4,096 each, against a flat KV cache's step: write the new key and value, then
   one batched ``scaled_dot_product_attention`` of the new queries over all cached keys
-  and values. The caches are filled with :meth:`prefill` (untimed).
+  and values. The caches are filled with :meth:`prefill` (untimed). The step runs as
+  users get it (the fused kernel where numba is installed) and, timed interleaved on a
+  second cache, as the eager step (:data:`hsa_graph.typing.WITH_NUMBA` off).
 * **prefill**: :meth:`~hsa_graph.ops.cache.BatchedHSACache.prefill` of a 4,096-token
   prompt (state and outputs) against :func:`~hsa_graph.ops.causal.causal_hsa`'s
   forward on it;
@@ -22,6 +24,7 @@ script works; it prints and writes nothing else).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import hsa_graph
+import hsa_graph.typing
 from hsa_graph.ops.cache import BatchedHSACache
 from hsa_graph.ops.causal import causal_hsa
 
@@ -62,6 +66,17 @@ def attach_of(i: int, branching: int, depth: int) -> int:
     return depth - 1 - closes
 
 
+@contextlib.contextmanager
+def eager_step():
+    """The cache's eager step (its tensor ops one by one), as without numba."""
+    held = hsa_graph.typing.WITH_NUMBA
+    hsa_graph.typing.WITH_NUMBA = False
+    try:
+        yield
+    finally:
+        hsa_graph.typing.WITH_NUMBA = held
+
+
 def best_of(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -84,19 +99,24 @@ def step_row(batch: int, length: int, args, gen: torch.Generator) -> Dict:
         hsa_graph.ops.cache.parents_of_moves(hsa_graph.HSACache.moves_of(tree)[:length]))
     forest = prompt if batch == 1 else hsa_graph.collate([prompt] * batch)
     rep = lambda t: t[:length].repeat(batch, 1, 1)  # noqa: E731
-    cache = BatchedHSACache()
+    cache, eager = BatchedHSACache(), BatchedHSACache()
     cache.prefill(rep(q), rep(k), rep(v), forest, return_outputs=False)
+    eager.prefill(rep(q), rep(k), rep(v), forest, return_outputs=False)
     kv_k = torch.zeros(batch, h, length + args.steps, d)
     kv_v = torch.zeros_like(kv_k)
     kv_k[:, :, :length] = k[:length].transpose(0, 1)
     kv_v[:, :, :length] = v[:length].transpose(0, 1)
-    t_hsa, t_flat = [], []
+    t_hsa, t_eager, t_flat = [], [], []
     for i in range(length, length + args.steps):
         qi, ki, vi = (t[i].expand(batch, h, d).contiguous() for t in (q, k, v))
         place = attach_of(i, b, depth) if i < n_tree else 0
         start = time.perf_counter()
         cache.step(qi, ki, vi, attach=place)
         t_hsa.append(time.perf_counter() - start)
+        with eager_step():
+            start = time.perf_counter()
+            eager.step(qi, ki, vi, attach=place)
+            t_eager.append(time.perf_counter() - start)
         start = time.perf_counter()
         kv_k[:, :, i], kv_v[:, :, i] = ki, vi
         F.scaled_dot_product_attention(qi.unsqueeze(2), kv_k[:, :, :i + 1], kv_v[:, :, :i + 1])
@@ -104,6 +124,8 @@ def step_row(batch: int, length: int, args, gen: torch.Generator) -> Dict:
     best_hsa, best_flat = min(t_hsa), min(t_flat)
     return dict(batch=batch, tokens=length, depth=depth, hsa_step_ms=1e3 * best_hsa,
                 flat_kv_step_ms=1e3 * best_flat, ratio=best_hsa / best_flat,
+                fused_kernel=hsa_graph.typing.WITH_NUMBA, eager_step_ms=1e3 * min(t_eager),
+                eager_ratio=min(t_eager) / best_flat,
                 hsa_step_median_ms=1e3 * statistics.median(t_hsa),
                 flat_kv_step_median_ms=1e3 * statistics.median(t_flat),
                 median_ratio=statistics.median(t_hsa) / statistics.median(t_flat),
@@ -171,7 +193,8 @@ def main() -> None:
         print(f"step B={batch:2d} at {length:6d} tokens: hsa {r['hsa_step_ms']:.3f} ms, flat kv "
               f"{r['flat_kv_step_ms']:.3f} ms, hsa / flat {r['ratio']:.2f} (best of "
               f"{args.steps}; medians {r['hsa_step_median_ms']:.3f} / "
-              f"{r['flat_kv_step_median_ms']:.3f} ms, {r['median_ratio']:.2f})", flush=True)
+              f"{r['flat_kv_step_median_ms']:.3f} ms, {r['median_ratio']:.2f}); eager step "
+              f"{r['eager_step_ms']:.3f} ms ({r['eager_ratio']:.2f})", flush=True)
     prefill = prefill_row(prefill_len, args, gen)
     print(f"prefill {prefill_len} tokens: {prefill['prefill_ms']:.1f} ms vs causal_hsa "
           f"{prefill['causal_hsa_ms']:.1f} ms ({prefill['ratio']:.2f}x)", flush=True)
@@ -188,13 +211,18 @@ def main() -> None:
                 timed_steps=args.steps, threads=args.threads, dtype="float32",
                 torch=torch.__version__, steps=steps, prefill=prefill, memory=memory)
     (RESULTS / "bench_cache.json").write_text(json.dumps(meta, indent=2))
+    path = ("the fused step kernel (numba)" if hsa_graph.typing.WITH_NUMBA else
+            "the eager step (numba not installed)")
     lines = [f"Generation with the batched HSA cache vs a flat KV cache: balanced "
              f"{args.branching}-ary trees, H={args.heads}, D={args.dim}, float32, "
-             f"{args.threads} thread(s), CPU, best of {args.steps} steps.", "",
-             "| B | cached tokens | depth | hsa step (ms) | flat KV step (ms) | hsa / flat |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             f"{args.threads} thread(s), CPU, best of {args.steps} steps; hsa step: {path}, "
+             "eager step: the same cache without the kernel, timed interleaved.", "",
+             "| B | cached tokens | depth | hsa step (ms) | flat KV step (ms) | hsa / flat "
+             "| eager step (ms) | eager / flat |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['tokens']} | {r['depth']} | {r['hsa_step_ms']:.3f} | "
-              f"{r['flat_kv_step_ms']:.3f} | {r['ratio']:.2f} |" for r in steps]
+              f"{r['flat_kv_step_ms']:.3f} | {r['ratio']:.2f} | {r['eager_step_ms']:.3f} | "
+              f"{r['eager_ratio']:.2f} |" for r in steps]
     lines += ["", "| prefill tokens | prefill (ms) | causal_hsa forward (ms) | ratio |",
               "|---:|---:|---:|---:|",
               f"| {prefill['tokens']} | {prefill['prefill_ms']:.1f} | "

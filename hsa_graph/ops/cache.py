@@ -19,9 +19,12 @@ the sibling logits of every level in two batched matmuls (:func:`left_siblings`)
 per-level part: two ops on ``[B, H]``), the top-down sum (:func:`top_down`), and the
 gathers and scatters that file each sequence's completing child (its terms were computed
 by the step before). Per token: :math:`O(b \cdot \mathrm{depth} \cdot H D)` time and the
-same state, no host-device synchronisation. :meth:`BatchedHSACache.prefill` builds that
-state from whole prompts (with their trees) in one vectorised pass over
-:func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of one step per prompt token.
+same state, no host-device synchronisation. On the CPU, with numba installed, the same
+arithmetic runs as one compiled call (:mod:`hsa_graph.ops.step_kernel`): at ``B = 1``
+the eager step's sixty-odd small tensor ops cost more to dispatch than to compute.
+:meth:`BatchedHSACache.prefill` builds that state from whole prompts (with their trees)
+in one vectorised pass over :func:`~hsa_graph.ops.hsa.hsa_statistics`, instead of one
+step per prompt token.
 :class:`HSACache` is the one-sequence cache (a batch of one, plus the parent array of the
 tree it built).
 
@@ -33,7 +36,9 @@ the sentence, ``attach=1`` opens a sentence and ``attach=0`` a paragraph.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -41,7 +46,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..structure import TreeStructure
+from .. import typing as accelerators
+from ..structure import TreeStructure, records_grad
 from .hsa import _logaddexp, hsa_statistics
 from .inputs import (
     check_scale,
@@ -108,6 +114,7 @@ class CacheState:
 
     def __post_init__(self):
         self._views: Optional[StateViews] = None
+        self._arrays: Optional[Tuple[Tuple[Tensor, ...], Tuple[np.ndarray, ...]]] = None
 
     def views(self, dim: int) -> StateViews:
         """The views a step reads and writes, made once: ``members``, ``size``,
@@ -124,6 +131,16 @@ class CacheState:
                 flat_base=self.base.view(b * levels, h, width), flat_size=self.size.view(-1),
                 flat_left=self.left.view(b * levels, h, -1))
         return self._views
+
+    def arrays(self) -> Tuple[np.ndarray, ...]:
+        """numpy views of the (CPU) state tensors in field order, for the fused step
+        kernel; made again only where a step replaced a tensor (the eager one assigns
+        ``child``, ``child_gain`` and ``child_base``)."""
+        tensors = tuple(getattr(self, f.name) for f in fields(self))
+        held = self._arrays
+        if held is None or any(a is not b for a, b in zip(held[0], tensors)):
+            held = self._arrays = (tensors, tuple(t.numpy() for t in tensors))
+        return held[1]
 
     @classmethod
     def empty(cls, batch: int, depth: int, width: int, heads: int, dim: int, dim_v: int,
@@ -400,6 +417,31 @@ def _placement(name: str, value: Placement, batch: int) -> Tuple[np.ndarray, np.
     return values, given
 
 
+
+
+@functools.cache
+def _load_step_kernel() -> Optional[Callable]:
+    """:func:`hsa_graph.ops.step_kernel.fused_step`, or ``None`` where numba is
+    installed but cannot be imported (said once, in a warning)."""
+    try:
+        from .step_kernel import fused_step
+    except Exception as error:  # e.g. a numba built for another numpy
+        warnings.warn(f"numba is installed but cannot be imported ({error}): "
+                      "BatchedHSACache.step runs its eager path", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return fused_step
+
+
+def _fused_step_kernel(q: Tensor, k: Tensor, v: Tensor) -> Optional[Callable]:
+    """The fused step kernel where it applies to these tokens (already of the
+    state's dtype): numba installed (:data:`hsa_graph.typing.WITH_NUMBA`), CPU
+    tensors of float32 or float64, and no autograd recording (a step writes the state
+    in place, so neither path is differentiable; the eager one's graph is kept)."""
+    if (not accelerators.WITH_NUMBA or q.device.type != "cpu"
+            or q.dtype not in (torch.float32, torch.float64) or records_grad(q, k, v)):
+        return None
+    return _load_step_kernel()
 
 
 class BatchedHSACache:
@@ -770,7 +812,10 @@ class BatchedHSACache:
         :func:`left_siblings`), a ``B``-wide recursion of ``L`` steps on ``[B, H]``
         (:func:`spine_step`), and the update of the one level per sequence whose open
         child completes (:meth:`_push`); no host-device synchronisation unless
-        ``check_finite``.
+        ``check_finite``. On the CPU in float32 or float64 with numba installed, and
+        where autograd records nothing, all of it is one call of the fused kernel
+        (:mod:`hsa_graph.ops.step_kernel`; compiled at the first step of each dtype,
+        about 2 s, then cached on disk).
 
         Args:
             q, k: ``[B, H, D]``; v: ``[B, H, Dv]``: the new token of each sequence.
@@ -799,15 +844,21 @@ class BatchedHSACache:
         """
         q, k, v = self._check_tokens(q, k, v, check_finite)
         plan = self._plan(attach, depth)
-        # the state is updated in place, so a step is not differentiable (as before):
-        # torch's logaddexp, not the NaN-free backward of ops.hsa
-        logaddexp = torch.logaddexp
-        with no_autocast(q.device):
-            if plan.rows.size:
-                self._push(plan)
-            if plan.closed is not None:
-                self._close(plan.closed)
-            y = self._climb(q, k, v, logaddexp)
+        kernel = _fused_step_kernel(q, k, v)
+        if kernel is not None:          # push, close and climb in one compiled call
+            y = kernel(self._state, plan, q, k, v, self._scale(), self.include_self)
+        else:
+            # the state is updated in place, so a step is not differentiable (as
+            # before): torch's logaddexp, not the NaN-free backward of ops.hsa
+            with no_autocast(q.device):
+                if plan.rows.size:
+                    self._push(plan)
+                if plan.closed is not None:
+                    self._close(plan.closed)
+                y = self._climb(q, k, v, torch.logaddexp)
+        self._count[plan.rows, plan.level] = plan.slots + 1
+        if plan.closed is not None:
+            self._count[plan.closed] = 0
         self._depth = plan.depth
         self._tokens += 1
         self._started = True
@@ -844,12 +895,10 @@ class BatchedHSACache:
         st.members.view(-1, f - 1).index_copy_(0, head_slot, means)
         views.flat_size.index_copy_(0, node_slot, size_x[:, 0, 0])
         views.flat_left.index_add_(0, node, child)
-        self._count[plan.rows, plan.level] = plan.slots + 1
 
     def _close(self, closed: np.ndarray) -> None:
         """Empty the levels ``closed`` ``[B, L]`` (a host mask: their open nodes close
         for good)."""
-        self._count[closed] = 0
         mask = torch.from_numpy(closed).to(self._device())
         self._state.left.masked_fill_(mask[..., None, None], 0.0)
         self._state.size.masked_fill_(mask[..., None], 0.0)

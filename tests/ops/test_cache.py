@@ -9,8 +9,18 @@ import torch
 from causal_reference import dense_causal_hsa
 
 import hsa_graph
+import hsa_graph.typing
 from hsa_graph.ops.cache import HSACache, parents_of_moves
 from hsa_graph.ops.causal import causal_hsa
+
+
+@pytest.fixture(autouse=True, params=["fused", "eager"])
+def step_path(request, monkeypatch):
+    """Every test here runs with the fused step kernel (numba) and with the eager step."""
+    if request.param == "fused":
+        pytest.importorskip("numba")
+    monkeypatch.setattr(hsa_graph.typing, "WITH_NUMBA", request.param == "fused")
+    return request.param
 
 
 def run_cache(q, k, v, moves, include_self=True):
