@@ -605,21 +605,40 @@ def _take(table: Tensor, index: Tensor) -> Tensor:
     return torch.stack([head.index_select(0, index) for head in table.unbind(0)])
 
 
-def _add_rows(y: Tensor, index: Tensor, src: Tensor, recording: bool) -> Tensor:
-    """``y.index_add_(1, index, src)``, on the CPU head by head along dim 0 (see
-    :func:`_take`; ``[1, 65,536, 64]`` from 41,940 rows: 21 ms along dim 1, 5 ms along
-    dim 0), out of place there with autograd (an in-place op on a head's view would
-    make the backward clone the whole of ``y``)."""
+def _add_rows(y: Tensor, index: Tensor, src: Tensor) -> Tensor:
+    """``y.index_add_(1, index, src)`` in place, on the CPU head by head along dim 0
+    (see :func:`_take`; ``[1, 65,536, 64]`` from 41,940 rows: 21 ms along dim 1, 5 ms
+    along dim 0). No autograd (:class:`_AddToRows` records it)."""
     if y.device.type != "cpu":
         return y.index_add_(1, index, src)
-    if not recording:
-        for head, rows in zip(y, src):
-            head.index_add_(0, index, rows)
+    for head, rows in zip(y, src):
+        head.index_add_(0, index, rows)
+    return y
+
+
+class _AddToRows(torch.autograd.Function):
+    """``y`` ``[H, N, Dv]`` plus each part ``[H, S, Dv]`` at its leaf rows ``indices[i]``
+    ``[S]`` (``None``: every row, in order), in place, as one autograd node. Recorded op
+    by op, each scattered part would be an out-of-place ``index_add``: a fresh copy of
+    ``y`` per tile group and head chunk (at 65,536 leaves and D = 64, 16 MiB each, which
+    fault in page by page on every call). The backward hands ``y`` its gradient and
+    each part the gradient's rows (:func:`_take`)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, indices: Tuple[Optional[Tensor], ...], *parts: Tensor):
+        ctx.indices = indices
+        ctx.mark_dirty(y)
+        for index, part in zip(indices, parts):
+            if index is None:
+                y.add_(part)
+            else:
+                _add_rows(y, index, part)
         return y
-    if y.shape[0] == 1:
-        return y.squeeze(0).index_add(0, index, src.squeeze(0)).unsqueeze(0)
-    return torch.stack([head.index_add(0, index, rows)
-                        for head, rows in zip(y.unbind(0), src.unbind(0))])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad, None, *(grad if index is None else _take(grad, index)
+                              for index in ctx.indices))
 
 
 class _TileView:
@@ -878,22 +897,27 @@ def _rows_of(level, parts: List[Tensor], old: Optional[Tensor]) -> Tensor:
     return torch.where(mask, out, 0.0 if old is None else old)
 
 
-def _add_attention(y: Tensor, g: CausalTiles, weights: Tensor, values: Tensor,
-                   recording: bool) -> Tensor:
-    """``y`` ``[H, N, Dv]`` plus the share-scaled ``weights @ values`` of ``g``'s slots at
-    their leaf rows (padding slots carry zero weights). Without autograd, where the
-    slots are leaf rows in order, the products land in ``y`` in place (no ``[H, N, Dv]``
-    temporary)."""
-    if g.rows is not None and not recording:
+def _attention_rows(g: CausalTiles, weights: Tensor, values: Tensor, num_leaves: int,
+                    recording: bool) -> Tuple[Optional[Tensor], Tensor]:
+    """The share-scaled ``weights @ values`` of ``g``'s slots ``[H, slots, Dv]`` (padding
+    slots carry zero weights) and the leaf rows they add to (``None``: every row, in
+    order)."""
+    theta = _per_head_bmm(weights, values, recording)                      # [H, R, T, Dv]
+    theta = theta.view(theta.shape[0], -1, theta.shape[-1])
+    return (None if g.rows == (0, num_leaves) else g.slot_row), theta
+
+
+def _add_attention(y: Tensor, g: CausalTiles, weights: Tensor, values: Tensor) -> Tensor:
+    """``y`` ``[H, N, Dv]`` plus :func:`_attention_rows` in place (no autograd); where
+    the slots are leaf rows in order, the products land in ``y`` directly (no
+    ``[H, N, Dv]`` temporary)."""
+    if g.rows is not None:
         lo, hi = g.rows
         for head, (w, x) in enumerate(zip(weights, values)):
             y[head, lo:hi].view(g.num_tiles, g.tile, -1).baddbmm_(w, x)
         return y
-    theta = _per_head_bmm(weights, values, recording)                      # [H, R, T, Dv]
-    theta = theta.view(theta.shape[0], -1, theta.shape[-1])
-    if g.rows == (0, y.shape[1]):
-        return y.add_(theta)
-    return _add_rows(y, g.slot_row, theta, recording)
+    index, theta = _attention_rows(g, weights, values, y.shape[1], False)
+    return y.add_(theta) if index is None else _add_rows(y, index, theta)
 
 
 def _causal_hsa(st: TreeStructure, plan, q: Tensor, k: Tensor, v: Tensor,
@@ -972,6 +996,7 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
         # take leaf_v's token-major strides); with it, leaf_v is head-major already
         y = leaf_v * m if recording else torch.mul(
             leaf_v, m, out=nodes.buffers.take("output", leaf_v.shape, leaf_v))
+    recorded: List[Tuple[Optional[Tensor], Tensor]] = []   # with autograd: one node
     for (log_mu, steps), above, level in zip(per_level, reversed(log_m_above), plan.levels):
         share = -torch.expm1(log_mu) if above is None else above.exp() * -torch.expm1(log_mu)
         for g, step in zip(level.groups, steps):
@@ -981,5 +1006,11 @@ def _causal_heads(st: TreeStructure, plan, consts: List[List[SlotTables]],
                 mine = _take(share, g.slot_row) * g.slot_is_real.to(share.dtype)
             weights = _update(step.weights, recording, "mul",
                               mine.view(mine.shape[0], g.num_tiles, g.tile, 1))
-            y = _add_attention(y, g, weights, step.values, recording)
+            if recording:
+                recorded.append(_attention_rows(g, weights, step.values, n, True))
+            else:
+                y = _add_attention(y, g, weights, step.values)
+    if recorded:
+        indices, parts = zip(*recorded)
+        y = _AddToRows.apply(y, indices, *parts)
     return y

@@ -342,3 +342,30 @@ def test_scans_and_their_backward():
                                                       -2) * weights).sum(), x)
     torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
     assert (ours[~finite] == 0).all()
+
+
+@pytest.mark.parametrize("parent", [
+    text_like([[3, 1, 4], [2], [5, 2]]),
+    [-1, 0, 0, 1, 1, 2, 2, -1, 7, 7, 8, 8, 8],          # a forest of two trees
+    [-1] + [0] * 7,                                       # flat: causal SDPA
+])
+def test_forward_and_backward_do_not_synchronise(parent):
+    """No op that reads a device value back to the host runs in a call on a built tree
+    (the layout's numbers are host-side, derived once with the structure), with and
+    without autograd and positions: a decoder stack pays the layout once per batch."""
+    from test_hsa import SYNC_OPS, _in_cpu_read
+    from torch.profiler import profile
+
+    tree = hsa_graph.NestedSignal.from_parents(parent)
+    n = len(leaves_of(parent))
+    q, k, v, pos = random_inputs(n, len(parent), 2, 4, 3, 5, pos_dim=2)
+    causal_hsa(q, k, v, tree)                         # builds and validates the layout
+    q.requires_grad_()
+    with profile() as prof:
+        causal_hsa(q, k, v, tree).sum().backward()
+        causal_hsa(q, k, v, tree, include_self=False, pos=pos).sum().backward()
+        with torch.no_grad():
+            causal_hsa(q, k, v, tree, pos=pos)
+    names = {event.name for event in prof.events() if not _in_cpu_read(event)}
+    assert "aten::bmm" in names or any("scaled_dot_product" in n for n in names)
+    assert not names & set(SYNC_OPS), names & set(SYNC_OPS)
