@@ -116,7 +116,7 @@ def _step(q, k, v, members, size, base, left, child, child_gain, child_base,
                         col_dot += child[b, lvl, h, dim + f] * members[b, lvl, h, w, f]
                     if n_c > 0:
                         row[w] = math.log(n_c) + scale * row_dot * inverse
-                        if row[w] > peak:
+                        if not row[w] <= peak:      # a NaN logit makes the peak NaN
                             peak = row[w]
                     else:
                         row[w] = neg_inf
@@ -125,17 +125,20 @@ def _step(q, k, v, members, size, base, left, child, child_gain, child_base,
                     child_gain[b, lvl, h, w] = gain
                     if n_c > 0:
                         total += gain * n_c
-                peak = max(peak, floor)
+                if peak < floor:
+                    peak = floor
                 mass = 0.0
                 for w in range(width):
                     row[w] = math.exp(row[w] - peak)
                     mass += row[w]
-                eta[lvl] = math.log(mass) + peak if mass > 0 else neg_inf
-                mass = max(mass, tiny)
+                # NaN stays NaN here and below, as in the eager step
+                eta[lvl] = neg_inf if mass == 0.0 else math.log(mass) + peak
+                if mass < tiny:
+                    mass = tiny
                 for f in range(dim_v):
                     theta[lvl, f] = 0.0
                 for w in range(width):
-                    if row[w] > 0:
+                    if row[w] != 0.0:
                         share = row[w] / mass
                         for f in range(dim_v):
                             theta[lvl, f] += share * members[b, lvl, h, w, 2 * dim + f]

@@ -104,3 +104,41 @@ def test_a_numba_that_cannot_be_imported_falls_back_with_a_warning(monkeypatch):
         torch.testing.assert_close(y, x)  # one token attends to itself
     finally:
         cache_module._load_step_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_a_nan_token_spreads_to_every_output_that_reads_it(which, include_self, monkeypatch):
+    """Without ``check_finite`` a NaN token is not checked: it must reach every output
+    that reads it (never be dropped silently) and leave the other sequences and heads
+    alone. Its key and value are read by every later query (through the logits and
+    values of the family that completes over it); its query only by the rows of its
+    own open family, until that family completes at the root, where its mean query
+    enters only the root's lambda, which no output reads. There the eager step gives
+    NaN anyway (a matmul multiplies the root's left sums by zero), the kernel the
+    defined value."""
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(hsa_graph.typing, "WITH_NUMBA", fused)
+        g = torch.Generator().manual_seed(4)
+        cache = BatchedHSACache(2, include_self=include_self)
+        outs = []
+        for t in range(12):
+            tokens = dict(zip("qkv", (torch.randn(2, 2, 4, generator=g, dtype=torch.float64)
+                                      for _ in range(3))))
+            if t == 5:
+                tokens[which][1, 0, 0] = float("nan")
+            outs.append(cache.step(**tokens, depth=2 if t == 0 else None,
+                                   attach=0 if t % 4 == 3 else None))
+        results.append(torch.stack(outs))
+    fused, eager = results
+    # [steps, Dv] where the NaN is; a value's feature reaches that feature alone
+    head = fused[:, 1, 0, :1] if which == "v" else fused[:, 1, 0]
+    # without include_self a token's own value is read from the next step on
+    first = 6 if which == "v" and not include_self else 5
+    reads = slice(first, None) if which != "q" else slice(5, 7)
+    assert torch.isnan(head[reads]).all()
+    torch.testing.assert_close(fused[:5], eager[:5], atol=1e-12, rtol=1e-12)
+    if which != "q":
+        torch.testing.assert_close(fused, eager, atol=1e-12, rtol=1e-12, equal_nan=True)
+    assert torch.isfinite(fused[:, 0]).all() and torch.isfinite(fused[:, 1, 1]).all()
