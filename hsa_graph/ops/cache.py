@@ -114,7 +114,6 @@ class CacheState:
 
     def __post_init__(self):
         self._views: Optional[StateViews] = None
-        self._arrays: Optional[Tuple[Tuple[Tensor, ...], Tuple[np.ndarray, ...]]] = None
 
     def views(self, dim: int) -> StateViews:
         """The views a step reads and writes, made once: ``members``, ``size``,
@@ -131,16 +130,6 @@ class CacheState:
                 flat_base=self.base.view(b * levels, h, width), flat_size=self.size.view(-1),
                 flat_left=self.left.view(b * levels, h, -1))
         return self._views
-
-    def arrays(self) -> Tuple[np.ndarray, ...]:
-        """numpy views of the (CPU) state tensors in field order, for the fused step
-        kernel; made again only where a step replaced a tensor (the eager one assigns
-        ``child``, ``child_gain`` and ``child_base``)."""
-        tensors = tuple(getattr(self, f.name) for f in fields(self))
-        held = self._arrays
-        if held is None or any(a is not b for a, b in zip(held[0], tensors)):
-            held = self._arrays = (tensors, tuple(t.numpy() for t in tensors))
-        return held[1]
 
     @classmethod
     def empty(cls, batch: int, depth: int, width: int, heads: int, dim: int, dim_v: int,

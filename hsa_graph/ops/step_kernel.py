@@ -188,7 +188,8 @@ def fused_step(state, plan, q: Tensor, k: Tensor, v: Tensor, scale: float,
     out = v.new_empty(v.shape)
     floor, tiny = _limits(state.members.dtype)
     _step(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
-          *state.arrays(), plan.rows, plan.level, plan.slots,
+          *(t.numpy() for t in state.tensors().values()), plan.rows, plan.level,
+          plan.slots,
           _NO_CLOSED if plan.closed is None else plan.closed,
           float(scale), bool(include_self), floor, tiny, out.numpy())
     return out
