@@ -205,6 +205,13 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (1e-3)")
     train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay "
                        "(0.01)")
+    train.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                       help="the learning rate over the steps: constant, or a half cosine "
+                       "from --lr down to --min-lr (constant)")
+    train.add_argument("--min-lr", type=float, default=0.0,
+                       help="where the cosine schedule ends (0)")
+    train.add_argument("--warmup-steps", type=int, default=0,
+                       help="steps of linear warm-up to --lr (0)")
     train.add_argument("--grad-clip", type=float, default=1.0,
                        help="gradient norm clipping; 0 = off (1.0)")
     train.add_argument("--seed", type=int, default=0,
@@ -269,7 +276,8 @@ def _run_train(args: argparse.Namespace) -> Dict[str, Any]:
                            dropout=args.dropout)
     out = Path(args.out)
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                         weight_decay=args.weight_decay, seed=args.seed,
+                         weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+                         min_lr=args.min_lr, warmup_steps=args.warmup_steps, seed=args.seed,
                          grad_clip=args.grad_clip or None, device=args.device,
                          checkpoint_dir=args.checkpoint_dir or out / "checkpoints",
                          resume=args.resume, select_metric=args.select_metric,
@@ -329,23 +337,27 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """
     from . import __version__
 
+    # allow_abbrev=False everywhere: a prefix must never stand for another option
+    # (``--seed`` silently meant ``--seeds`` where both prefixes exist)
     parser = argparse.ArgumentParser(
-        prog="hsa-graph", description="Hierarchical Self-Attention on nested signals: "
-        "experiments, training and benchmarks.",
+        prog="hsa-graph", allow_abbrev=False,
+        description="Hierarchical Self-Attention on nested signals: experiments, training and "
+        "benchmarks.",
         epilog="'hsa-graph COMMAND --help' lists the options of a command. Results go to "
                "the command's output folder as JSON, a Markdown table and plots.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, text) in COMMANDS.items():
-        p = sub.add_parser(name, help=text, description=text)
+        p = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
         if name == command:
             module = _import(name)
             p.description = (module.__doc__ or text).strip().split("\n\n")[0]
             module.add_arguments(p)
     p = sub.add_parser(
-        "train", help="train and test one text classifier (HSA, flat attention or DeepSet) "
-        "on the Pang & Lee reviews or your own CSV/TSV/JSONL; runs under torchrun",
+        "train", allow_abbrev=False,
+        help="train and test one text classifier (HSA, flat attention or DeepSet) on the "
+        "Pang & Lee reviews or your own CSV/TSV/JSONL; runs under torchrun",
         description="Train a TreeClassifier on text trees (document -> paragraphs -> "
         "sentences -> MiniLM word pieces), pick the best epoch on a validation split and "
         "score it on a held-out test split. Under 'torchrun --nproc_per_node W -m hsa_graph "
@@ -356,7 +368,8 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         names = ", ".join(_benchmarks())
     except FileNotFoundError:
         names = "none: not a source checkout"
-    p = sub.add_parser("bench", help="run a benchmark script of the source checkout "
+    p = sub.add_parser("bench", allow_abbrev=False,
+                       help="run a benchmark script of the source checkout "
                        "(benchmarks/bench_NAME.py)",
                        description="Run benchmarks/bench_NAME.py of the source checkout with "
                        f"the remaining arguments. Available: {names}. 'hsa-graph bench NAME "

@@ -121,6 +121,21 @@ def test_train_command(sentences_csv, tmp_path, capsys):
     assert resumed["test"] == pytest.approx(results["test"])
 
 
+def test_train_command_schedule(sentences_csv, tmp_path, capsys):
+    assert _train(sentences_csv, tmp_path, "--epochs", "2", "--lr-schedule", "cosine",
+                  "--min-lr", "0.001", "--warmup-steps", "1") == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    config = results["config"]
+    assert (config["lr_schedule"], config["min_lr"], config["warmup_steps"]) == (
+        "cosine", 0.001, 1)
+    history = results["runs"][0]["history"]
+    assert history[-1]["lr"] == pytest.approx(0.001) and history[0]["lr"] > 0.001
+    assert _train(sentences_csv, tmp_path, "--min-lr", "0.1") == 1      # above --lr 0.01
+    assert "min_lr (0.1) must not exceed lr (0.01)" in capsys.readouterr().err
+    assert _train(sentences_csv, tmp_path, "--lr-sched", "cosine") == 2  # no abbreviations
+    assert "unrecognized arguments: --lr-sched" in capsys.readouterr().err
+
+
 def test_train_command_errors(sentences_csv, tmp_path, capsys):
     assert _train(tmp_path / "missing.csv", tmp_path) == 1
     assert "no file" in capsys.readouterr().err

@@ -103,6 +103,7 @@ from ..datasets.listops import (
 from ..nn.classifier import TreeClassifier
 from ..nn.encoder import LAYERS
 from .train import (
+    LR_SCHEDULES,
     ClassifierOutput,
     TrainConfig,
     _cpu_state,
@@ -461,6 +462,9 @@ class ListOpsConfig:
         data_seed: seed of the data (the test split is fixed by it).
         data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
+        lr_schedule, min_lr, warmup_steps: the learning rate's schedule over the steps
+            (:class:`~hsa_graph.experiments.TrainConfig`; ``"constant"`` by default,
+            ``"cosine"`` decays from ``lr`` to ``min_lr``).
         channels, heads, layers, layer, share_weights, hidden_channels, pos_dim, dropout:
             the models (:class:`ListOpsClassifier`).
         pool, include_self, nesting_embedding: the read-out, the self term and the
@@ -495,6 +499,9 @@ class ListOpsConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     grad_clip: Optional[float] = 1.0
+    lr_schedule: str = "constant"
+    min_lr: float = 0.0
+    warmup_steps: int = 0
     channels: int = 64
     heads: int = 4
     layers: int = 10
@@ -539,6 +546,15 @@ class ListOpsConfig:
         if self.channels % self.heads:
             raise ValueError(f"channels ({self.channels}) must be a multiple of heads "
                              f"({self.heads})")
+        self.train_config(seed=0).validate()
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The :class:`~hsa_graph.experiments.TrainConfig` of the run of seed ``seed``."""
+        return TrainConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, lr_schedule=self.lr_schedule,
+                           min_lr=self.min_lr, warmup_steps=self.warmup_steps, seed=seed,
+                           grad_clip=self.grad_clip, device=self.device,
+                           progress=self.progress)
 
     def model_spec(self) -> Dict[str, Any]:
         """The settings :func:`build_model` takes."""
@@ -725,10 +741,7 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                       f"{len(sets['val'])} val, {len(sets['test'])} test", flush=True)
             trained = _trained_module(model, config)
             with _PeakMemory(config.device) as memory:
-                result = fit(trained, sets["train"], sets["val"], TrainConfig(
-                    epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
-                    weight_decay=config.weight_decay, seed=seed, grad_clip=config.grad_clip,
-                    device=config.device, progress=config.progress))
+                result = fit(trained, sets["train"], sets["val"], config.train_config(seed))
             metrics = evaluate(model, sets["test"], batch_size=config.batch_size,
                                device=config.device)
             breakdown = accuracy_breakdown(model, sets["test"], splits["test"],
@@ -879,9 +892,10 @@ def _initial_model(config: ListOpsConfig, variant: str, seed: int) -> Module:
 def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
                         device: str = "cpu", nested: bool = False) -> Dict[str, Any]:
     """Accuracy of the model saved by :func:`run_listops` at ``checkpoint`` on the
-    LRA-format file ``data`` (:func:`~hsa_graph.datasets.listops.read_listops_tsv`);
-    with ``nested``, also ``"nested"``: :func:`nested_accuracy` there (meaningful for
-    models trained with ``node_loss``)."""
+    LRA-format file ``data`` (:func:`~hsa_graph.datasets.listops.read_listops_tsv`),
+    and ``"breakdown"``, the accuracy by root operator and by nesting depth
+    (:func:`accuracy_breakdown`); with ``nested``, also ``"nested"``:
+    :func:`nested_accuracy` there (meaningful for models trained with ``node_loss``)."""
     variant, _, model = load_model(checkpoint)
     rows = read_listops_tsv(data)
     if not rows:
@@ -889,7 +903,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
     examples = build_examples(rows, VARIANTS[variant][0], where=str(data),
                               nested_targets=nested)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device)
-    out = {"variant": variant, "data": str(data), **metrics}
+    out = {"variant": variant, "data": str(data), **metrics,
+           "breakdown": accuracy_breakdown(model, examples, rows, batch_size=batch_size,
+                                           device=device)}
     if nested:
         out["nested"] = nested_accuracy(model, examples, batch_size=batch_size, device=device)
     return out
@@ -898,8 +914,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
             "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
-            "batch_size", "lr", "channels", "heads", "layers", "layer", "pos_dim", "dropout",
-            "pool", "node_loss", "init_from", "device", "output_dir")
+            "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps", "channels", "heads",
+            "layers", "layer", "pos_dim", "dropout", "pool", "node_loss", "init_from",
+            "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -915,10 +932,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"models (default: {' '.join(d.variants)})")
     for name in ("seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
                  "min_length", "max_length", "data_seed", "epochs", "batch_size", "channels",
-                 "heads", "layers", "pos_dim"):
+                 "heads", "layers", "pos_dim", "warmup_steps"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                        help="the learning rate over the steps: constant, or a half cosine "
+                        f"from --lr to --min-lr (default {d.lr_schedule})")
+    parser.add_argument("--min-lr", type=float, default=None,
+                        help=f"where the cosine schedule ends (default {d.min_lr})")
     parser.add_argument("--dropout", type=float, default=None, help=f"default {d.dropout}")
     parser.add_argument("--layer", choices=LAYERS, default=None,
                         help=f"the attention layer: the paper's HTE layer or the pre-norm "
@@ -994,6 +1016,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                   nested=args.nested)
         print(f"{out['variant']} on {out['data']}: accuracy {out['accuracy']:.4f} "
               f"({out['n']} examples)")
+        for kind, label in (("by_operator", "by root operator"), ("by_depth", "by depth")):
+            print(f"{label} (accuracy, count): " + ", ".join(
+                f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in out["breakdown"][kind].items()))
         if args.nested:
             print("nested operators (operator/height: accuracy, count): " + ", ".join(
                 f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in out["nested"].items()))
@@ -1023,4 +1048,5 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args())
+    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                          allow_abbrev=False)).parse_args())

@@ -268,4 +268,5 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args())
+    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                          allow_abbrev=False)).parse_args())

@@ -68,6 +68,7 @@ from .._hashing import file_sha256
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "LR_SCHEDULES",
     "SELECT_METRICS",
     "ClassifierOutput",
     "TrainConfig",
@@ -80,6 +81,9 @@ __all__ = [
 
 #: Written into every checkpoint; :func:`load_checkpoint` refuses other files.
 CHECKPOINT_FORMAT = "hsa_graph.train/1"
+
+#: The values of :attr:`TrainConfig.lr_schedule`.
+LR_SCHEDULES = ("constant", "cosine")
 
 #: ``select_metric`` -> (history key, key of :func:`evaluate`, larger is better).
 SELECT_METRICS: Dict[str, Tuple[str, str, bool]] = {
@@ -101,8 +105,18 @@ class TrainConfig:
         epochs: number of passes over the training set.
         batch_size: the **global** batch size (split evenly over the processes under
             ``torchrun``; must be a multiple of the number of processes).
-        lr: learning rate of :class:`torch.optim.AdamW`.
+        lr: learning rate of :class:`torch.optim.AdamW` (the peak rate of a schedule).
         weight_decay: weight decay of AdamW.
+        lr_schedule: how the rate moves over the run's optimizer steps
+            (:meth:`lr_at`): ``"constant"`` (``lr`` throughout) or ``"cosine"`` (a half
+            cosine from ``lr`` after the warm-up down to ``min_lr`` at the last step of
+            epoch ``epochs``).
+        min_lr: the rate ``"cosine"`` ends at (``0 <= min_lr <= lr``).
+        warmup_steps: the first ``warmup_steps`` steps raise the rate linearly to
+            ``lr`` (step ``s`` uses ``lr * (s + 1) / warmup_steps``), for any
+            schedule. The rate is a function of the step and of ``epochs`` alone, so a
+            resumed run follows the same rates as an uninterrupted one (resuming with
+            a larger ``epochs`` stretches what is left of a cosine).
         seed: seeds the shuffling (the same on every rank) and the torch random
             generator of rank ``r`` (``seed + r``, for dropout). The model is
             initialised by the caller: seed before building it.
@@ -129,6 +143,9 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 1e-3
     weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    min_lr: float = 0.0
+    warmup_steps: int = 0
     seed: int = 0
     device: str = "cpu"
     grad_clip: Optional[float] = None
@@ -141,23 +158,31 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad setting."""
-        for name in ("epochs", "batch_size", "seed"):
+        for name in ("epochs", "batch_size", "seed", "warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"TrainConfig.{name} must be an int, got {value!r}")
-        if self.epochs < 0:
-            raise ValueError(f"TrainConfig.epochs must be >= 0, got {self.epochs}")
+        for name in ("epochs", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1:
             raise ValueError(f"TrainConfig.batch_size must be >= 1, got {self.batch_size}")
         if self.eval_batch_size is not None and (
                 not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1):
             raise ValueError(f"TrainConfig.eval_batch_size must be a positive int or None, "
                              f"got {self.eval_batch_size!r}")
-        for name in ("lr", "weight_decay"):
+        for name in ("lr", "weight_decay", "min_lr"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
                 raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, "
                                  f"got {value!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule must be one of {LR_SCHEDULES}, got "
+                             f"{self.lr_schedule!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr "
+                             f"({self.lr})")
         if self.grad_clip is not None and (not isinstance(self.grad_clip, (int, float))
                                            or not self.grad_clip > 0):
             raise ValueError(f"TrainConfig.grad_clip must be a positive number or None, got "
@@ -168,6 +193,35 @@ class TrainConfig:
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("TrainConfig.resume=True needs a checkpoint_dir")
         _device(self.device)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        r"""The learning rate of optimizer step ``step`` (0-based) of a run of
+        ``total_steps`` steps. With :math:`w` warm-up steps, :math:`T` steps in all,
+        peak :math:`\eta` and floor :math:`\eta_{min}`:
+
+        .. math::
+            \eta_s = \eta \frac{s + 1}{w} \quad (s < w), \qquad
+            \eta_s = \eta_{min} + \frac{\eta - \eta_{min}}{2}
+            \Big(1 + \cos \frac{\pi (s - w)}{\max(T - w - 1, 1)}\Big)
+            \quad (\text{cosine}, s \ge w),
+
+        and :math:`\eta` for ``"constant"`` after the warm-up.
+
+        Example:
+            >>> c = TrainConfig(lr=1e-3, lr_schedule="cosine", min_lr=1e-4, warmup_steps=2)
+            >>> [round(c.lr_at(s, 7), 6) for s in range(7)]
+            [0.0005, 0.001, 0.001, 0.000868, 0.00055, 0.000232, 0.0001]
+        """
+        for name, value in (("step", step), ("total_steps", total_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"lr_at: {name} must be an int >= 0, got {value!r}")
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(total_steps - self.warmup_steps - 1, 1)
+        progress = min(step - self.warmup_steps, span) / span
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings as plain numbers and strings (for JSON and checkpoints)."""
@@ -639,12 +693,17 @@ def _resume(path: Path, model: Module, optimizer: torch.optim.Optimizer,
 
 def _train_epoch(net: Module, model: Module, optimizer: torch.optim.Optimizer, shard: _Shard,
                  loss_fn: Callable, config: TrainConfig, device: torch.device, show: bool,
-                 desc: str) -> Tuple[float, float]:
-    """One pass over the rank's shard; returns the sum of the per-example losses over
-    all ranks and the slowest rank's wall time."""
+                 desc: str, epoch: int) -> Tuple[float, float]:
+    """One pass over the rank's shard (epoch ``epoch``, 0-based); returns the sum of the
+    per-example losses over all ranks and the slowest rank's wall time."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    total_steps = config.epochs * len(shard)  # every epoch has as many global batches
     start = time.perf_counter()
-    for batch, weight, real in _progress(shard, show, desc=desc, leave=False):
+    for step, (batch, weight, real) in enumerate(_progress(shard, show, desc=desc,
+                                                           leave=False)):
+        lr = config.lr_at(epoch * len(shard) + step, total_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         batch, weight = _to(batch, device), weight.to(device)
         _, _, loss, extra = _forward(net, batch, loss_fn)
         if extra is not None:
@@ -671,7 +730,8 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
 
     Each epoch shuffles ``train`` (seed ``config.seed + epoch``), takes one step per
     global batch on the mean loss of its examples (see the module docstring for the
-    multi-process case), then evaluates ``val``. The epoch with the best
+    multi-process case) at the rate :meth:`TrainConfig.lr_at` gives that step, then
+    evaluates ``val``. The epoch with the best
     ``config.select_metric`` on ``val`` is selected (only ``val``: keep a test split
     apart and score it afterwards with :func:`evaluate`).
 
@@ -695,8 +755,9 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
     Returns:
         ``{"history": [...], "best_epoch": int, "best": {...}}``: one dict per epoch
         with ``epoch`` (1-based), ``train_loss`` (mean over the epoch's examples, extra
-        loss included), ``val_accuracy``, ``val_f1`` (macro), ``val_loss`` and
-        ``seconds`` (wall time of the epoch's training pass, the slowest rank's);
+        loss included), ``val_accuracy``, ``val_f1`` (macro), ``val_loss``,
+        ``seconds`` (wall time of the epoch's training pass, the slowest rank's) and
+        ``lr`` (the learning rate of the epoch's last step);
         ``best_epoch`` (1-based, ``0`` if ``epochs == 0``) and ``best``, the validation
         metrics of :func:`evaluate` at that epoch. The model ends holding the weights
         of ``best_epoch``.
@@ -770,14 +831,15 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
         shard = _Shard(train, config.batch_size, collate, shuffle=True, seed=config.seed,
                        epoch=epoch)
         loss_sum, seconds = _train_epoch(net, model, optimizer, shard, loss_fn, config,
-                                         device, show, f"epoch {epoch + 1}")
+                                         device, show, f"epoch {epoch + 1}", epoch)
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"training loss is {loss_sum} in epoch {epoch + 1}: "
                                      f"lower lr or set grad_clip")
         metrics = _evaluate(model, val, eval_batch, device, collate, loss_fn)
         entry = {"epoch": epoch + 1, "train_loss": loss_sum / len(train),
                  "val_accuracy": metrics["accuracy"], "val_f1": metrics["macro_f1"],
-                 "val_loss": metrics["loss"], "seconds": seconds}
+                 "val_loss": metrics["loss"], "seconds": seconds,
+                 "lr": optimizer.param_groups[0]["lr"]}
         history.append(entry)
         value = entry[metric_key]
         if best_epoch == 0 or (value > best_metrics[best_key] if larger

@@ -921,7 +921,8 @@ def _plots(results: Dict[str, Any], out_dir: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Command-line entry point: parse ``argv``, :func:`run`, print the headline."""
-    parser = argparse.ArgumentParser(prog="zero-shot", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="zero-shot", allow_abbrev=False,
+                                     description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -156,6 +156,10 @@ def test_cli_evaluate(tiny_run, tmp_path, capsys):
                  "--data", str(data)]) == 0
     printed = capsys.readouterr().out
     assert f"accuracy {run['test_accuracy']:.4f} (16 examples)" in printed
+    by_depth = run["breakdown"]["by_depth"]      # the run's own breakdown of the test split
+    assert "by depth (accuracy, count): " + ", ".join(
+        f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in by_depth.items()) in printed
+    assert evaluate_checkpoint(run["checkpoint"], str(data))["breakdown"] == run["breakdown"]
     bad = tmp_path / "bad.tsv"
     bad.write_text("Source\tTarget\n[MAX 1 2\t2\n")
     assert main(["listops", "evaluate", "--checkpoint", run["checkpoint"],
@@ -424,6 +428,44 @@ def test_cli_node_loss_reaches_the_config():
     assert config_from_args(parser.parse_args(["--quick", "--node-loss", "0.5"])).node_loss \
         == 0.5
     assert config_from_args(parser.parse_args(["--quick"])).node_loss == 0.0
+
+
+def test_the_learning_rate_schedule_reaches_training():
+    """--lr-schedule / --min-lr / --warmup-steps reach fit: the rates it reports per
+    epoch are TrainConfig.lr_at's at each epoch's last step."""
+    import argparse
+
+    from hsa_graph.experiments.listops import add_arguments, config_from_args
+
+    parser = add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    config = config_from_args(parser.parse_args(
+        ["--quick", "--lr", "0.01", "--lr-schedule", "cosine", "--min-lr", "0.001",
+         "--warmup-steps", "2"]))
+    assert (config.lr_schedule, config.min_lr, config.warmup_steps) == ("cosine", 0.001, 2)
+    assert config.train_config(3).lr_at(1, 10) == 0.01 and config.train_config(3).seed == 3
+    tiny = dict(TINY, seeds=1, epochs=3)
+    result = run_listops(ListOpsConfig(variants=("hsa-tree",), lr=0.01, lr_schedule="cosine",
+                                       min_lr=0.001, warmup_steps=2, **tiny))
+    steps = -(-tiny["num_train"] // tiny["batch_size"])      # batches per epoch
+    rates = [h["lr"] for h in result["runs"][0]["history"]]
+    expected = ListOpsConfig(lr=0.01, lr_schedule="cosine", min_lr=0.001, warmup_steps=2,
+                             **tiny).train_config(0)
+    assert rates == pytest.approx([expected.lr_at((e + 1) * steps - 1, 3 * steps)
+                                   for e in range(3)])
+    assert rates[-1] == pytest.approx(0.001) and rates[0] > rates[1] > rates[2]
+    with pytest.raises(ValueError, match="min_lr"):
+        ListOpsConfig(lr=1e-3, min_lr=1e-2).validate()
+    with pytest.raises(ValueError, match="lr_schedule"):
+        ListOpsConfig(lr_schedule="linear").validate()
+
+
+def test_an_abbreviated_option_is_refused(tmp_path, capsys):
+    """argparse would read --seed as --seeds (a model option that generate ignores),
+    silently giving data of the default seed: refused instead."""
+    assert main(["listops", "generate", "--seed", "1", "--num-train", "2", "--num-val", "1",
+                 "--num-test", "1", "--out", str(tmp_path)]) == 2
+    assert "unrecognized arguments: --seed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_init_from_starts_each_run_from_the_earlier_run_s_checkpoint(tiny_run, tmp_path):

@@ -127,6 +127,50 @@ def test_fit_equals_a_hand_written_loop(data):
     assert_same_weights(model, states[best - 1])
 
 
+def test_fit_follows_the_learning_rate_schedule(data):
+    """A linear warm-up then a half cosine, one rate per optimizer step: the same
+    weights as a hand-written loop that sets each step's rate itself."""
+    from torch_geometric.data import Batch
+
+    train, val = data
+    peak, floor, warmup, epochs = 4e-3, 5e-4, 2, 3
+    config = TrainConfig(epochs=epochs, batch_size=8, lr=peak, lr_schedule="cosine",
+                         min_lr=floor, warmup_steps=warmup, seed=2)
+    model = make_model(4)
+    reference = copy.deepcopy(model)
+    result = fit(model, train, val, config)
+    steps_per_epoch = math.ceil(len(train) / 8)
+    total = epochs * steps_per_epoch
+    decay = total - warmup - 1
+    rates = [peak * (s + 1) / warmup if s < warmup else
+             floor + (peak - floor) * (1 + math.cos(math.pi * (s - warmup) / decay)) / 2
+             for s in range(total)]
+    assert rates[warmup] == peak and rates[-1] == pytest.approx(floor)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=123.0,  # every step sets it
+                                  weight_decay=0.0)
+    states, step = [], 0
+    for epoch in range(epochs):
+        g = torch.Generator()
+        g.manual_seed(2 + epoch)
+        order = torch.randperm(len(train), generator=g).tolist()
+        for start in range(0, len(train), 8):
+            batch = Batch.from_data_list([train[i] for i in order[start:start + 8]])
+            loss = F.cross_entropy(reference(batch), batch.y)
+            for group in optimizer.param_groups:
+                group["lr"] = rates[step]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+        states.append(copy.deepcopy(reference.state_dict()))
+    assert [h["lr"] for h in result["history"]] == pytest.approx(
+        [rates[(e + 1) * steps_per_epoch - 1] for e in range(epochs)])
+    assert_same_weights(model, states[result["best_epoch"] - 1])
+    # the constant schedule is what fit always did: the configured rate at every step
+    constant = TrainConfig(lr=2e-3)
+    assert {constant.lr_at(s, 10) for s in range(10)} == {2e-3}
+
+
 def test_fit_keeps_the_best_validation_epoch(data):
     train, val = data
     model = make_model(1)
@@ -139,7 +183,8 @@ def test_fit_keeps_the_best_validation_epoch(data):
     assert result["best"]["accuracy"] == max(accs)
     for h in result["history"]:
         assert set(h) == {"epoch", "train_loss", "val_accuracy", "val_f1", "val_loss",
-                          "seconds"}
+                          "seconds", "lr"}
+        assert h["lr"] == 0.02
         assert h["seconds"] > 0 and math.isfinite(h["train_loss"])
     # selecting on the loss picks the smallest validation loss
     model = make_model(1)
@@ -201,15 +246,33 @@ def test_evaluate_matches_an_independent_computation():
 
 
 # ------------------------------------------------------------------ checkpoints
-def test_resume_gives_the_uninterrupted_run(data, tmp_path):
-    """With dropout, so the saved random state matters too."""
+@pytest.mark.parametrize("schedule", [{}, {"lr_schedule": "cosine", "warmup_steps": 3,
+                                          "min_lr": 1e-3}])
+def test_resume_gives_the_uninterrupted_run(data, tmp_path, schedule):
+    """With dropout, so the saved random state matters too; with a schedule, the
+    resumed epochs take the rates of the uninterrupted run's."""
     train, val = data
     full = make_model(3, dropout=0.2)
-    config = dict(batch_size=8, lr=0.01, seed=11)
+    config = dict(batch_size=8, lr=0.01, seed=11, **schedule)
     whole = fit(full, train, val, TrainConfig(epochs=4, checkpoint_dir=tmp_path / "a",
                                               **config))
     part = make_model(3, dropout=0.2)
-    fit(part, train, val, TrainConfig(epochs=2, checkpoint_dir=tmp_path / "b", **config))
+    if schedule:  # the rates depend on `epochs`: a 4-epoch run that dies in epoch 3
+        calls = 0
+
+        def dies_in_epoch_3(logits, y, reduction="mean"):
+            nonlocal calls
+            calls += 1      # 3 training and 2 validation batches per epoch
+            if calls > 10:
+                raise KeyboardInterrupt
+            return F.cross_entropy(logits, y, reduction=reduction)
+
+        with pytest.raises(KeyboardInterrupt):
+            fit(part, train, val, TrainConfig(epochs=4, checkpoint_dir=tmp_path / "b",
+                                              **config), loss_fn=dies_in_epoch_3)
+        assert torch.load(tmp_path / "b" / "last.pt", weights_only=True)["epoch"] == 2
+    else:  # a shorter run continued with more epochs
+        fit(part, train, val, TrainConfig(epochs=2, checkpoint_dir=tmp_path / "b", **config))
     resumed = make_model(99, dropout=0.2)      # other weights: all come from the file
     torch.manual_seed(1234)                    # other random state: restored from the file
     again = fit(resumed, train, val, TrainConfig(epochs=4, checkpoint_dir=tmp_path / "b",
@@ -289,11 +352,20 @@ def test_resume_refuses_another_run(data, tmp_path):
     ({"lr": float("nan")}, "lr"), ({"grad_clip": 0}, "grad_clip"),
     ({"select_metric": "auc"}, "select_metric"), ({"resume": True}, "checkpoint_dir"),
     ({"device": "tpu"}, "device"), ({"epochs": 1.5}, "epochs"),
+    ({"lr_schedule": "step"}, "lr_schedule"), ({"min_lr": 1.0}, "min_lr .* must not exceed"),
+    ({"min_lr": float("inf")}, "min_lr"), ({"warmup_steps": -1}, "warmup_steps"),
+    ({"warmup_steps": 2.0}, "warmup_steps"), ({"min_lr": True}, "min_lr"),
 ])
 def test_bad_config(data, kwargs, match):
     train, val = data
     with pytest.raises((ValueError, TypeError), match=match):
         fit(make_model(), train, val, TrainConfig(**kwargs))
+
+
+@pytest.mark.parametrize("step, total", [(-1, 5), (0, -1), (1.0, 5), (True, 5)])
+def test_lr_at_refuses_bad_steps(step, total):
+    with pytest.raises(ValueError, match="step"):
+        TrainConfig(lr_schedule="cosine").lr_at(step, total)
 
 
 def test_bad_data_and_models(data):
