@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from itertools import groupby
-from typing import Callable, Collection, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -911,12 +911,15 @@ class TreeStructure:
         return value
 
     def gather_bucket(self, bucket: FamilyBucket, leaf_values: Tensor,
-                      internal_values: Tensor, scratch: Optional[Tensor] = None) -> Tensor:
+                      internal_values: Tensor, scratch: Optional[Tensor] = None,
+                      sources: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         """Member values of a bucket's families: ``[F, b, ...]``. Padding slots hold
         zeros or a copy of a member of their family: consumers mask them with
         ``log_size = -inf`` and never read their rows back. ``scratch``: rows
         ``[>= F * b, ...]`` that a copy is written into instead of a fresh tensor (views
-        of the inputs copy nothing)."""
+        of the inputs copy nothing). ``sources``: for a bucket of leaf and internal
+        members read by index, its ``leaf_src`` and ``internal_src`` rows already
+        gathered (:meth:`gather_buckets` gathers them for all such buckets at once)."""
         rest = leaf_values.shape[1:]
         f, b = bucket.num_families, bucket.size
 
@@ -950,11 +953,13 @@ class TreeStructure:
             out = (leaf_values.new_empty if full else leaf_values.new_zeros)((f * b, *rest))
         elif not full:
             out.zero_()
+        if sources is None:
+            sources = (leaf_values.index_select(0, bucket.leaf_src),
+                       internal_values.index_select(0, bucket.internal_src))
         # in place: ``out`` is fresh, so autograd can record the copies without the
         # full-buffer copy an out-of-place index_copy makes
-        out.index_copy_(0, bucket.leaf_slot, leaf_values.index_select(0, bucket.leaf_src))
-        out.index_copy_(0, bucket.internal_slot,
-                        internal_values.index_select(0, bucket.internal_src))
+        out.index_copy_(0, bucket.leaf_slot, sources[0])
+        out.index_copy_(0, bucket.internal_slot, sources[1])
         return out.view(f, b, *rest)
 
     def leaf_block_members(self, bucket: FamilyBucket, leaf_values: Tensor,
@@ -999,6 +1004,24 @@ class TreeStructure:
                                torch.cat([g for _, g in members]),
                                tuple(g.numel() for _, g in members)))
         return tuple(shared)
+
+    @_lazy_field
+    def shared_source_gathers(self) -> Optional[Tuple[Tuple[int, ...], Tensor, Tuple[int, ...],
+                                                      Tensor, Tuple[int, ...]]]:
+        """When two or more buckets mix leaf and internal members read by index (the
+        last case of :meth:`gather_bucket`, e.g. the families of a parse tree):
+        ``(bucket indices, their leaf_src concatenated, its lengths, their internal_src
+        concatenated, its lengths)``, so that :meth:`gather_buckets` reads each source
+        once for all of them; else ``None``."""
+        mixed = tuple(i for i, b in enumerate(self.buckets)
+                      if b.leaf_range is None and b.internal_range is None
+                      and b.leaf_block is None and b.leaf_gather is None
+                      and b.internal_gather is None)
+        if len(mixed) < 2:
+            return None
+        parts = [(self.buckets[i].leaf_src, self.buckets[i].internal_src) for i in mixed]
+        return (mixed, torch.cat([p[0] for p in parts]), tuple(p[0].numel() for p in parts),
+                torch.cat([p[1] for p in parts]), tuple(p[1].numel() for p in parts))
 
     @_lazy_field
     def leaf_of_slot(self) -> List[Optional[Tensor]]:
@@ -1057,14 +1080,16 @@ class TreeStructure:
         where a fresh copy per bucket (above glibc's mmap threshold, 32 MiB) is a fresh
         mapping that faults in every time (ragged families at N = 262,144, 2 threads:
         39 ms into a fresh 61 MB copy, 12.5 ms into a reused one).
-        Where autograd records, the buckets that read by index (ragged families) share
-        one gather per source: the backward of a gather zero-fills a gradient of the
-        whole source, once for all those buckets instead of once per bucket.
+        Where autograd records, the buckets that read by index (ragged families, and
+        families mixing leaves and internal members, :attr:`shared_source_gathers`)
+        share one gather per source: the backward of a gather zero-fills a gradient of
+        the whole source, once for all those buckets instead of once per bucket.
         A :attr:`~FamilyBucket.leaf_block` bucket is yielded in two parts,
         :meth:`leaf_block_members` (leaves in place, internal members gathered).
         ``skip``: indices of buckets the caller reads otherwise (e.g.
         :meth:`gather_leaf_chunks`), yielded as ``None`` and left out of the scratch."""
-        shared = {}
+        shared: Dict[int, Tensor] = {}
+        gathered: Dict[int, Tuple[Tensor, Tensor]] = {}  # a mixed bucket's source rows
         scratch = None
         slots = self._copied_slots(skip)
         if records_grad(leaf_values, internal_values):
@@ -1076,6 +1101,13 @@ class TreeStructure:
                 for i, part in zip(indices, parts):
                     bucket = self.buckets[i]
                     shared[i] = part.view(bucket.num_families, bucket.size, *values.shape[1:])
+            mixed = self.shared_source_gathers
+            if mixed is not None and not any(i in skip for i in mixed[0]):
+                indices, leaf_index, leaf_lengths, internal_index, internal_lengths = mixed
+                sources = zip(leaf_values.index_select(0, leaf_index).split(leaf_lengths),
+                              internal_values.index_select(0, internal_index)
+                              .split(internal_lengths))
+                gathered = dict(zip(indices, sources))
         reuse = reuse and not records_grad(leaf_values, internal_values)
         for i, bucket in enumerate(self.buckets):
             if i in skip:
@@ -1083,6 +1115,10 @@ class TreeStructure:
                 continue
             if i in shared:
                 yield shared[i]
+                continue
+            if i in gathered:
+                yield self.gather_bucket(bucket, leaf_values, internal_values,
+                                         sources=gathered.pop(i))
                 continue
             if bucket.leaf_block is not None:
                 yield self.leaf_block_members(bucket, leaf_values, internal_values)

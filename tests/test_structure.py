@@ -720,17 +720,26 @@ INTERLEAVED_INTERNAL_FAMILIES = [-1, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4] +
     node for node in range(5, 15) for _ in range(2)]
 
 
-@pytest.mark.parametrize("parent, shared", [
-    (INTERLEAVED_LEAF_FAMILIES, "leaf"), (INTERLEAVED_INTERNAL_FAMILIES, "internal"),
-    (HAND_MADE["ragged_leaf_families"], None), (HAND_MADE["mixed_families"], None),
-    (HAND_MADE["caterpillar"], None)])
-def test_gather_buckets_equals_gather_bucket(parent, shared, monkeypatch):
-    """gather_buckets (one shared gather per source for index-read buckets where autograd
-    records) gives every bucket's gather_bucket, values and gradients."""
+# two families (sizes 3 and 2) that mix leaves and internal members, read by index
+MIXED_FAMILIES = [-1, 0, 0, 0, 1, 2, 2, 5]
+
+
+@pytest.mark.parametrize("parent, shared, mixed", [
+    (INTERLEAVED_LEAF_FAMILIES, "leaf", False), (INTERLEAVED_INTERNAL_FAMILIES, "internal", False),
+    (HAND_MADE["ragged_leaf_families"], None, False),
+    (HAND_MADE["mixed_families"], None, False), (HAND_MADE["caterpillar"], None, False),
+    (MIXED_FAMILIES, None, True)])
+def test_gather_buckets_equals_gather_bucket(parent, shared, mixed, monkeypatch):
+    """gather_buckets (one shared gather per source for index-read buckets, and for
+    buckets mixing leaves and internal members, where autograd records) gives every
+    bucket's gather_bucket, values and gradients."""
     # every grid size its own bucket (small buckets would merge into one)
     monkeypatch.setattr("hsa_graph.structure.BUCKET_SLOTS", 0)
     s = TreeStructure.from_parent(torch.tensor(parent))
     assert [kind for kind, *_ in s.shared_gathers] == ([shared] if shared else [])
+    assert (s.shared_source_gathers is not None) == mixed
+    if mixed:
+        assert len(s.shared_source_gathers[0]) == 2
     gen = torch.Generator().manual_seed(3)
     leaf = torch.randn(s.num_leaves, 2, 3, dtype=DT, generator=gen, requires_grad=True)
     inner = torch.randn(s.num_internal + 1, 2, 3, dtype=DT, generator=gen, requires_grad=True)
