@@ -46,7 +46,8 @@ are drawn from all four operators; over ``MAX`` / ``MIN`` arguments of any size 
 learned (``examples/listops_probes.py``), so the leaf-count weight HSA gives a nested
 argument is not what blocks it.
 ``operators`` draws a subset (e.g. without ``SM``) to measure each operator's share, and
-every run reports test accuracy by root operator and by nesting depth
+every run reports test accuracy by root operator, by nesting depth and by how many
+nested results the answer depends on
 (:func:`accuracy_breakdown`).
 
 **Levers beyond LRA's protocol.** ``node_loss`` also trains the read-out on every
@@ -95,6 +96,7 @@ from ..datasets.listops import (
     OPERATORS,
     VOCAB,
     generate_listops_splits,
+    listops_dependence,
     listops_tree,
     parse_listops,
     read_listops_tsv,
@@ -115,6 +117,7 @@ from .train import (
 )
 
 __all__ = [
+    "DEPENDENCE_BINS",
     "ListOpsClassifier",
     "ListOpsConfig",
     "QUICK",
@@ -147,6 +150,11 @@ NUM_CLASSES = 10
 #: the deepest nesting :class:`ListOpsClassifier`'s ``nesting_embedding`` tells apart
 MAX_NESTING = 16
 WINDOWS = (2, 4, 8, 16)
+#: bins of :func:`accuracy_breakdown`'s ``"by_dependence"``: name -> [low, high) of the
+#: summed :func:`~hsa_graph.datasets.listops.listops_dependence`
+DEPENDENCE_BINS: Dict[str, Tuple[float, float]] = {
+    "0-1": (0.0, 1.0), "1-2": (1.0, 2.0), "2-3": (2.0, 3.0), "3-5": (3.0, 5.0),
+    "5-8": (5.0, 8.0), "8-13": (8.0, 13.0), "13+": (13.0, float("inf"))}
 
 
 # ------------------------------------------------------------------ models
@@ -631,8 +639,12 @@ def accuracy_breakdown(model: Module, examples: Sequence[Any],
                        rows: Sequence[Tuple[str, int]], *, batch_size: int = 32,
                        device: str = "cpu") -> Dict[str, Dict[str, Dict[str, float]]]:
     """Test accuracy of ``model`` split by the root operator (``MAX``, ``MIN``, ``MED``,
-    ``SM``, or ``digit`` for a lone digit) and by the nesting depth of each expression:
-    ``{"by_operator": {name: {"accuracy", "n"}}, "by_depth": {str(depth): {...}}}``.
+    ``SM``, or ``digit`` for a lone digit), by the nesting depth of each expression, and
+    by its dependence on nested results (the sum of
+    :func:`~hsa_graph.datasets.listops.listops_dependence`: how many nested values the
+    answer hangs on, in the bins of :data:`DEPENDENCE_BINS`):
+    ``{"by_operator": {name: {"accuracy", "n"}}, "by_depth": {str(depth): {...}},
+    "by_dependence": {bin: {...}}}``, bins in increasing order, empty ones left out.
     ``examples`` are the trees of ``rows``, in the same order."""
     from torch_geometric.data import Batch
 
@@ -647,15 +659,24 @@ def accuracy_breakdown(model: Module, examples: Sequence[Any],
             hits.append(model(batch).argmax(-1).cpu() == batch.y.view(-1).cpu())
     model.train(was_training)
     hit = torch.cat(hits).tolist() if hits else []
-    groups: Dict[str, Dict[str, List[bool]]] = {"by_operator": {}, "by_depth": {}}
+    groups: Dict[str, Dict[str, List[bool]]] = {"by_operator": {}, "by_depth": {},
+                                                "by_dependence": {}}
+    edges = [low for low, _ in DEPENDENCE_BINS.values()]
+    bin_names = list(DEPENDENCE_BINS)
     for ok, (expr, _) in zip(hit, rows):
         parsed = parse_listops(expr)
         first = int(parsed.tokens[0])
         op = OPERATORS[first - 10] if 10 <= first < 10 + len(OPERATORS) else "digit"
         groups["by_operator"].setdefault(op, []).append(ok)
         groups["by_depth"].setdefault(str(parsed.depth), []).append(ok)
-    return {kind: {key: {"accuracy": sum(v) / len(v), "n": len(v)}
-                   for key, v in sorted(table.items())} for kind, table in groups.items()}
+        # a sum of ninths: rounded back onto them, so that the bins' edges are exact
+        dependence = round(float(listops_dependence(parsed).sum()) * 9) / 9
+        name = bin_names[int(np.searchsorted(edges, dependence, side="right")) - 1]
+        groups["by_dependence"].setdefault(name, []).append(ok)
+    order = {"by_operator": sorted, "by_depth": lambda keys: sorted(keys, key=int),
+             "by_dependence": lambda keys: [k for k in bin_names if k in keys]}
+    return {kind: {key: {"accuracy": sum(table[key]) / len(table[key]), "n": len(table[key])}
+                   for key in order[kind](table)} for kind, table in groups.items()}
 
 
 def nested_accuracy(model: Module, examples: Sequence[Any], *, batch_size: int = 32,
@@ -1016,7 +1037,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                   nested=args.nested)
         print(f"{out['variant']} on {out['data']}: accuracy {out['accuracy']:.4f} "
               f"({out['n']} examples)")
-        for kind, label in (("by_operator", "by root operator"), ("by_depth", "by depth")):
+        for kind, label in (("by_operator", "by root operator"), ("by_depth", "by depth"),
+                            ("by_dependence", "by dependence on nested results")):
             print(f"{label} (accuracy, count): " + ", ".join(
                 f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in out["breakdown"][kind].items()))
         if args.nested:

@@ -10,6 +10,7 @@ from hsa_graph.datasets.listops import (
     evaluate_listops,
     generate_listops,
     generate_listops_splits,
+    listops_dependence,
     listops_tree,
     parse_listops,
     read_listops_tsv,
@@ -236,6 +237,60 @@ def test_hostile_inputs():
     assert time.perf_counter() - start < 5
     with pytest.raises(ValueError, match="unknown token"):
         parse_listops("[MAX " + "x" * 1_000_000 + " ]")
+
+
+def reference_dependence(expression: str) -> list:
+    """For each token: replace the subexpression an operator token opens by each other
+    digit and evaluate the whole text again (the root and other tokens: 0)."""
+    words = [w for w in expression.split() if w not in "()"]
+    value = reference_value(" ".join(words))
+    out = [0.0] * len(words)
+    for i, word in enumerate(words[1:], start=1):
+        if not word.startswith("["):
+            continue
+        depth, end = 0, i
+        while True:
+            depth += words[end].startswith("[") - (words[end] == "]")
+            if depth == 0:
+                break
+            end += 1
+        own = reference_value(" ".join(words[i:end + 1]))
+        out[i] = sum(reference_value(" ".join(words[:i] + [str(v)] + words[end + 1:])) != value
+                     for v in range(10) if v != own) / 9
+    return out
+
+
+@pytest.mark.parametrize("settings", [
+    SMALL,
+    dict(max_depth=6, max_args=10, min_length=20, max_length=200),   # even-sized MEDs
+    dict(max_depth=10, max_args=3, min_length=10, max_length=120),   # deep, narrow
+])
+def test_dependence_equals_replacing_each_subexpression(settings):
+    rows = generate_listops(40, seed=5, **settings)
+    for expression, _ in rows:
+        got = listops_dependence(expression)
+        assert got.dtype == np.float64 and got.shape == (len(expression.split()),)
+        np.testing.assert_allclose(got, reference_dependence(expression), atol=1e-12)
+        assert np.array_equal(listops_dependence(parse_listops(expression)), got)
+        assert np.array_equal(listops_dependence(to_lra_form(expression)), got)
+
+
+def test_dependence_known_cases_and_large_inputs():
+    assert listops_dependence("7").tolist() == [0.0]
+    assert listops_dependence("[MAX 1 2 ]").tolist() == [0.0] * 4
+    # SM passes every error on; MAX only values above its other arguments' maximum
+    assert listops_dependence("[SM [MIN 1 2 ] 3 ]")[1] == 1.0
+    assert listops_dependence("[MAX [MIN 1 2 ] 7 ]")[1] == pytest.approx(2 / 9)
+    # a chain 3,000 deep (one step per level) and 60,000 siblings (chunked)
+    chain = "[SM " * 3000 + "1 " + "] " * 3000
+    start = time.perf_counter()
+    deep = listops_dependence(parse_listops(chain, max_depth=None))
+    assert deep[1:3000].tolist() == [1.0] * 2999 and deep[0] == 0.0
+    wide = listops_dependence("[MAX " + "[MIN 1 2 ] " * 60_000 + "9 ]")
+    assert time.perf_counter() - start < 10
+    assert wide.sum() == 0.0            # below 9: no nested value can change the maximum
+    with pytest.raises(ValueError, match="never closed"):
+        listops_dependence("[MAX 1 2")
 
 
 def test_the_datasets_package_exports_every_public_name():

@@ -53,9 +53,13 @@ def test_tiny_run_reports_every_variant(tiny_run):
     assert (out / "listops_curves.png").is_file() and (out / "listops.md").is_file()
 
 
-def test_breakdown_by_operator_and_depth_adds_up_to_the_test_accuracy(tiny_run):
+def test_breakdown_by_operator_depth_and_dependence_adds_up_to_the_test_accuracy(tiny_run):
     out, result = tiny_run
-    from hsa_graph.datasets.listops import generate_listops_splits, parse_listops
+    from hsa_graph.datasets.listops import (
+        generate_listops_splits,
+        listops_dependence,
+        parse_listops,
+    )
 
     cfg = result["config"]
     test = generate_listops_splits(cfg["num_train"], cfg["num_val"], cfg["num_test"],
@@ -71,10 +75,23 @@ def test_breakdown_by_operator_and_depth_adds_up_to_the_test_accuracy(tiny_run):
     for expr, _ in test:
         d = str(parse_listops(expr).depth)
         depths[d] = depths.get(d, 0) + 1
+    dependence = {}
+    for expr, _ in test:
+        # in ninths of a nested result (checked against re-evaluation elsewhere)
+        ninths = round(listops_dependence(expr).sum() * 9)
+        name = next(name for name, high in (("0-1", 1), ("1-2", 2), ("2-3", 3), ("3-5", 5),
+                                             ("5-8", 8), ("8-13", 13), ("13+", 1e9))
+                    if ninths < 9 * high)
+        dependence[name] = dependence.get(name, 0) + 1
+    assert len(dependence) > 1                   # the bins tell the test split apart
     for run in result["runs"]:
-        for kind, counts in (("by_operator", roots), ("by_depth", depths)):
+        for kind, counts in (("by_operator", roots), ("by_depth", depths),
+                             ("by_dependence", dependence)):
             table = run["breakdown"][kind]
             assert {k: v["n"] for k, v in table.items()} == counts
+            if kind != "by_operator":            # increasing order, depths as numbers
+                assert list(table) == sorted(table, key=lambda k: float(
+                    k.split("-")[0].strip("+")))
             right = sum(v["accuracy"] * v["n"] for v in table.values())
             assert right == pytest.approx(run["test_accuracy"] * len(test))
     row = result["summary"][0]
@@ -159,6 +176,9 @@ def test_cli_evaluate(tiny_run, tmp_path, capsys):
     by_depth = run["breakdown"]["by_depth"]      # the run's own breakdown of the test split
     assert "by depth (accuracy, count): " + ", ".join(
         f"{k} {v['accuracy']:.3f} ({v['n']})" for k, v in by_depth.items()) in printed
+    assert "by dependence on nested results (accuracy, count): " + ", ".join(
+        f"{k} {v['accuracy']:.3f} ({v['n']})"
+        for k, v in run["breakdown"]["by_dependence"].items()) in printed
     assert evaluate_checkpoint(run["checkpoint"], str(data))["breakdown"] == run["breakdown"]
     bad = tmp_path / "bad.tsv"
     bad.write_text("Source\tTarget\n[MAX 1 2\t2\n")
