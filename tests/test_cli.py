@@ -136,6 +136,20 @@ def test_train_command_schedule(sentences_csv, tmp_path, capsys):
     assert "unrecognized arguments: --lr-sched" in capsys.readouterr().err
 
 
+def test_every_lr_schedule_flag_offers_the_trainers_schedules():
+    """The parsers spell the schedules out (so that building them imports no torch
+    module); they must stay the trainer's."""
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.train import LR_SCHEDULES
+
+    for command in ("train", "listops"):
+        parser = build_parser(command)
+        actions = [a for sub in parser._subparsers._group_actions
+                   for p in sub.choices.values() for a in p._actions
+                   if "--lr-schedule" in a.option_strings]
+        assert actions and all(tuple(a.choices) == LR_SCHEDULES for a in actions), command
+
+
 def test_train_command_errors(sentences_csv, tmp_path, capsys):
     assert _train(tmp_path / "missing.csv", tmp_path) == 1
     assert "no file" in capsys.readouterr().err
