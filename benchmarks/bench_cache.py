@@ -167,7 +167,7 @@ def memory_rows(args, measured: List[Dict]) -> List[Dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, print only")
     parser.add_argument("--branching", type=int, default=16)
     parser.add_argument("--heads", type=int, default=8)

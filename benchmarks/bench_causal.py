@@ -118,7 +118,7 @@ def report(rows: List[Dict], meta: Dict) -> str:
 
 
 def main(argv: List[str] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--trees", nargs="*", default=None,

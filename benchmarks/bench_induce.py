@@ -41,7 +41,7 @@ def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)

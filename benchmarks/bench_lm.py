@@ -267,7 +267,7 @@ def markdown(train: List[Dict], generation: List[Dict], args) -> List[str]:
 
 # ----------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes (< 1 min), print only")
     parser.add_argument("--channels", type=int, default=256)

@@ -136,7 +136,7 @@ def workloads(n: int, backward: bool) -> Dict[str, Callable[[], object]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="5 repeats, sizes 16 and 64")

@@ -183,7 +183,7 @@ def check(readme: str, figures: Path) -> List[Check]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--readme", default=str(ROOT / "README.md"), help="README to check")
     parser.add_argument("--figures", default=str(ROOT / "docs" / "figures"),
                         help="folder of the output files")

@@ -115,7 +115,7 @@ def fuzz_target(name: str, budget_s: float, base_seed: int, chunk: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=200, help="examples per hypothesis run")

@@ -76,7 +76,7 @@ def write_probes(out: Path, seed: int = 0) -> List[Path]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder to write the probe sets into")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -32,7 +32,8 @@ from hsa_graph.experiments import sentiment
 def main(argv=None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never ask the hub
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    parser = sentiment.add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = sentiment.add_arguments(argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.splitlines()[0]))
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(["--quick", *argv])
     args.argv = ["--quick", *argv]

@@ -322,7 +322,7 @@ def homophily(edge_index: Tensor, labels: Tensor) -> float:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test (< 30 s): too short to learn, accuracy near chance")
     parser.add_argument("--compare", action="store_true", help="HSA, flat, DeepSet, no graph")
