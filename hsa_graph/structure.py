@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex", "FlatTrees",
-           "Groups", "TreeStructure"]
+           "Groups", "SharedSourceGather", "TreeStructure"]
 
 
 def records_grad(*tensors: Optional[Tensor]) -> bool:
@@ -187,6 +187,31 @@ class FamilyBucket:
         """Whether :meth:`TreeStructure.gather_bucket` reads this bucket as a view of its
         source (``leaf_range`` / ``internal_range``) instead of copying its members."""
         return self.leaf_range is not None or self.internal_range is not None
+
+    @property
+    def copies_by_index(self) -> bool:
+        """Whether :meth:`TreeStructure.gather_bucket` reads this bucket by its last
+        case, two index copies (leaf and internal members, no block of leaves)."""
+        return not self.is_view and self.leaf_block is None and (
+            self.leaf_gather is None and self.internal_gather is None)
+
+
+@dataclass(frozen=True)
+class SharedSourceGather:
+    """The buckets that :meth:`TreeStructure.gather_buckets` reads with one gather per
+    source where autograd records (see :attr:`TreeStructure.shared_source_gathers`).
+
+    Attributes:
+        buckets: indices of the buckets, in order.
+        leaf_src, internal_src: their ``leaf_src`` / ``internal_src`` concatenated.
+        leaf_lengths, internal_lengths: each bucket's share of them.
+    """
+
+    buckets: Tuple[int, ...]
+    leaf_src: Tensor
+    leaf_lengths: Tuple[int, ...]
+    internal_src: Tensor
+    internal_lengths: Tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -1006,22 +1031,20 @@ class TreeStructure:
         return tuple(shared)
 
     @_lazy_field
-    def shared_source_gathers(self) -> Optional[Tuple[Tuple[int, ...], Tensor, Tuple[int, ...],
-                                                      Tensor, Tuple[int, ...]]]:
-        """When two or more buckets mix leaf and internal members read by index (the
-        last case of :meth:`gather_bucket`, e.g. the families of a parse tree):
-        ``(bucket indices, their leaf_src concatenated, its lengths, their internal_src
-        concatenated, its lengths)``, so that :meth:`gather_buckets` reads each source
-        once for all of them; else ``None``."""
-        mixed = tuple(i for i, b in enumerate(self.buckets)
-                      if b.leaf_range is None and b.internal_range is None
-                      and b.leaf_block is None and b.leaf_gather is None
-                      and b.internal_gather is None)
+    def shared_source_gathers(self) -> Optional[SharedSourceGather]:
+        """When two or more buckets are read by two index copies
+        (:attr:`FamilyBucket.copies_by_index`, e.g. the families of a parse tree, which
+        mix leaves and internal members): their sources, so that :meth:`gather_buckets`
+        reads each source once for all of them; else ``None``."""
+        mixed = tuple(i for i, b in enumerate(self.buckets) if b.copies_by_index)
         if len(mixed) < 2:
             return None
-        parts = [(self.buckets[i].leaf_src, self.buckets[i].internal_src) for i in mixed]
-        return (mixed, torch.cat([p[0] for p in parts]), tuple(p[0].numel() for p in parts),
-                torch.cat([p[1] for p in parts]), tuple(p[1].numel() for p in parts))
+        buckets = [self.buckets[i] for i in mixed]
+        return SharedSourceGather(
+            mixed, torch.cat([b.leaf_src for b in buckets]),
+            tuple(b.leaf_src.numel() for b in buckets),
+            torch.cat([b.internal_src for b in buckets]),
+            tuple(b.internal_src.numel() for b in buckets))
 
     @_lazy_field
     def leaf_of_slot(self) -> List[Optional[Tensor]]:
@@ -1102,12 +1125,12 @@ class TreeStructure:
                     bucket = self.buckets[i]
                     shared[i] = part.view(bucket.num_families, bucket.size, *values.shape[1:])
             mixed = self.shared_source_gathers
-            if mixed is not None and not any(i in skip for i in mixed[0]):
-                indices, leaf_index, leaf_lengths, internal_index, internal_lengths = mixed
-                sources = zip(leaf_values.index_select(0, leaf_index).split(leaf_lengths),
-                              internal_values.index_select(0, internal_index)
-                              .split(internal_lengths))
-                gathered = dict(zip(indices, sources))
+            if mixed is not None and not any(i in skip for i in mixed.buckets):
+                sources = zip(
+                    leaf_values.index_select(0, mixed.leaf_src).split(mixed.leaf_lengths),
+                    internal_values.index_select(0, mixed.internal_src)
+                    .split(mixed.internal_lengths))
+                gathered = dict(zip(mixed.buckets, sources))
         reuse = reuse and not records_grad(leaf_values, internal_values)
         for i, bucket in enumerate(self.buckets):
             if i in skip:

@@ -739,7 +739,7 @@ def test_gather_buckets_equals_gather_bucket(parent, shared, mixed, monkeypatch)
     assert [kind for kind, *_ in s.shared_gathers] == ([shared] if shared else [])
     assert (s.shared_source_gathers is not None) == mixed
     if mixed:
-        assert len(s.shared_source_gathers[0]) == 2
+        assert len(s.shared_source_gathers.buckets) == 2
     gen = torch.Generator().manual_seed(3)
     leaf = torch.randn(s.num_leaves, 2, 3, dtype=DT, generator=gen, requires_grad=True)
     inner = torch.randn(s.num_internal + 1, 2, 3, dtype=DT, generator=gen, requires_grad=True)
