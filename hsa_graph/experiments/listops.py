@@ -635,30 +635,19 @@ class _PeakMemory:
         return max(self.peak - self.base, 0) / 2**20
 
 
-def accuracy_breakdown(model: Module, examples: Sequence[Any],
-                       rows: Sequence[Tuple[str, int]], *, batch_size: int = 32,
-                       device: str = "cpu") -> Dict[str, Dict[str, Dict[str, float]]]:
-    """Test accuracy of ``model`` split by the root operator (``MAX``, ``MIN``, ``MED``,
-    ``SM``, or ``digit`` for a lone digit), by the nesting depth of each expression, and
-    by its dependence on nested results (the sum of
-    :func:`~hsa_graph.datasets.listops.listops_dependence`: how many nested values the
-    answer hangs on, in the bins of :data:`DEPENDENCE_BINS`):
+def accuracy_breakdown(predictions: Sequence[int], rows: Sequence[Tuple[str, int]]
+                       ) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Accuracy of ``predictions`` (one class per row, e.g. :func:`~hsa_graph.
+    experiments.train.evaluate`'s ``"predictions"``) on the expressions ``rows``, split
+    by the root operator (``MAX``, ``MIN``, ``MED``, ``SM``, or ``digit`` for a lone
+    digit), by the nesting depth of each expression, and by its dependence on nested
+    results (the sum of :func:`~hsa_graph.datasets.listops.listops_dependence`: how
+    many nested values the answer hangs on, in the bins of :data:`DEPENDENCE_BINS`):
     ``{"by_operator": {name: {"accuracy", "n"}}, "by_depth": {str(depth): {...}},
-    "by_dependence": {bin: {...}}}``, bins in increasing order, empty ones left out.
-    ``examples`` are the trees of ``rows``, in the same order."""
-    from torch_geometric.data import Batch
-
-    if len(examples) != len(rows):
-        raise ValueError(f"{len(examples)} examples for {len(rows)} rows")
-    was_training = model.training
-    model.eval()
-    hits = []
-    with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            batch = Batch.from_data_list(list(examples[start:start + batch_size])).to(device)
-            hits.append(model(batch).argmax(-1).cpu() == batch.y.view(-1).cpu())
-    model.train(was_training)
-    hit = torch.cat(hits).tolist() if hits else []
+    "by_dependence": {bin: {...}}}``, bins in increasing order, empty ones left out."""
+    if len(predictions) != len(rows):
+        raise ValueError(f"{len(predictions)} predictions for {len(rows)} rows")
+    hit = [int(guess) == int(label) for guess, (_, label) in zip(predictions, rows)]
     groups: Dict[str, Dict[str, List[bool]]] = {"by_operator": {}, "by_depth": {},
                                                 "by_dependence": {}}
     edges = [low for low, _ in DEPENDENCE_BINS.values()]
@@ -764,9 +753,8 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
             with _PeakMemory(config.device) as memory:
                 result = fit(trained, sets["train"], sets["val"], config.train_config(seed))
             metrics = evaluate(model, sets["test"], batch_size=config.batch_size,
-                               device=config.device)
-            breakdown = accuracy_breakdown(model, sets["test"], splits["test"],
-                                           batch_size=config.batch_size, device=config.device)
+                               device=config.device, predictions=True)
+            breakdown = accuracy_breakdown(metrics.pop("predictions"), splits["test"])
             history = result["history"]
             run = {"variant": variant, "seed": seed, "test_accuracy": metrics["accuracy"],
                    "test_f1": metrics["macro_f1"], "best_epoch": result["best_epoch"],
@@ -923,10 +911,10 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
         raise ValueError(f"{data} holds no examples")
     examples = build_examples(rows, VARIANTS[variant][0], where=str(data),
                               nested_targets=nested)
-    metrics = evaluate(model, examples, batch_size=batch_size, device=device)
-    out = {"variant": variant, "data": str(data), **metrics,
-           "breakdown": accuracy_breakdown(model, examples, rows, batch_size=batch_size,
-                                           device=device)}
+    metrics = evaluate(model, examples, batch_size=batch_size, device=device,
+                       predictions=True)
+    breakdown = accuracy_breakdown(metrics.pop("predictions"), rows)
+    out = {"variant": variant, "data": str(data), **metrics, "breakdown": breakdown}
     if nested:
         out["nested"] = nested_accuracy(model, examples, batch_size=batch_size, device=device)
     return out

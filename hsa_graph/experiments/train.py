@@ -306,7 +306,8 @@ def _check_dataset(data: Any, name: str) -> None:
 
 class _Shard:
     """The rank's part of one pass over a dataset: batches plus, per sample, its
-    position in the (padded) global order, so padding repeats can be weighted out."""
+    slot in the (padded) global order, so padding repeats can be weighted out (without
+    shuffling, a sample's slot is its index in the dataset)."""
 
     def __init__(self, data: Sequence, batch_size: int, collate: Callable, *, shuffle: bool,
                  seed: int, epoch: int = 0):
@@ -327,11 +328,12 @@ class _Shard:
             # rank r holds entries r, r + W, r + 2W, ... of the padded permutation;
             # entries from n on are the sampler's padding
             local = torch.arange(step * self.per_rank, step * self.per_rank + batch.num_graphs)
-            weight = (self.rank + self.world * local < self.n).to(torch.get_default_dtype())
+            slot = self.rank + self.world * local
+            weight = (slot < self.n).to(torch.get_default_dtype())
             # real samples in this global batch (batch_size = per_rank * world)
             start = step * self.per_rank * self.world
             real = min(self.per_rank * self.world, self.n - start)
-            yield batch, weight, real
+            yield batch, weight, real, slot
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -410,32 +412,43 @@ def _metrics(confusion: Tensor, loss_sum: float, n: float) -> Dict[str, float]:
 
 @torch.no_grad()
 def _evaluate(model: Module, data: Sequence, batch_size: int, device: torch.device,
-              collate: Callable, loss_fn: Callable) -> Dict[str, float]:
+              collate: Callable, loss_fn: Callable, predictions: bool = False
+              ) -> Dict[str, Any]:
     was_training = model.training
     model.eval()
     confusion: Optional[Tensor] = None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # each rank writes class + 1 into its samples' slots, zero elsewhere: the sum over
+    # ranks is every sample's class + 1
+    predicted = torch.zeros(len(data), dtype=torch.long, device=device) if predictions else None
     try:
-        for batch, weight, _ in _Shard(data, batch_size, collate, shuffle=False, seed=0):
+        for batch, weight, _, slot in _Shard(data, batch_size, collate, shuffle=False, seed=0):
             batch, weight = _to(batch, device), weight.to(device)
             logits, y, loss, _ = _forward(model, batch, loss_fn)
             if confusion is None:
                 confusion = torch.zeros(logits.shape[1], logits.shape[1], dtype=torch.float64,
                                         device=device)
             keep = weight > 0
-            index = y[keep] * logits.shape[1] + logits[keep].argmax(1)
+            guess = logits[keep].argmax(1)
+            index = y[keep] * logits.shape[1] + guess
             confusion.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
             loss_sum += (loss.double() * weight.double()).sum()
+            if predicted is not None:
+                predicted[slot.to(device)[keep]] = guess + 1
     finally:
         model.train(was_training)
     _all_reduce(confusion)
     _all_reduce(loss_sum)
-    return _metrics(confusion.cpu(), float(loss_sum), float(len(data)))
+    metrics: Dict[str, Any] = _metrics(confusion.cpu(), float(loss_sum), float(len(data)))
+    if predicted is not None:
+        metrics["predictions"] = (_all_reduce(predicted) - 1).tolist()
+    return metrics
 
 
 def evaluate(model: Module, data: Sequence, *, batch_size: int = 64,
              device: Union[str, torch.device] = "cpu", collate: Callable = Batch.from_data_list,
-             loss_fn: Callable = F.cross_entropy) -> Dict[str, float]:
+             loss_fn: Callable = F.cross_entropy, predictions: bool = False
+             ) -> Dict[str, Any]:
     r"""Accuracy, macro F1 and mean loss of ``model`` on ``data``.
 
     .. math::
@@ -454,9 +467,12 @@ def evaluate(model: Module, data: Sequence, *, batch_size: int = 64,
         device: where to run.
         collate: turns a list of examples into a batch.
         loss_fn: ``loss_fn(logits, y, reduction="none")``, one loss per example.
+        predictions: also return each example's predicted class (the argmax of its
+            logits), from the same forward passes.
 
     Returns:
-        ``{"accuracy", "macro_f1", "loss", "n"}``.
+        ``{"accuracy", "macro_f1", "loss", "n"}``; with ``predictions``, also
+        ``"predictions"``: a list of ``len(data)`` ints, in the order of ``data``.
 
     Example:
         >>> import hsa_graph
@@ -475,7 +491,7 @@ def evaluate(model: Module, data: Sequence, *, batch_size: int = 64,
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     _, world = _rank_world()
     return _evaluate(model, data, max(1, math.ceil(batch_size / world)) * world,
-                     _rank_device(str(device)), collate, loss_fn)
+                     _rank_device(str(device)), collate, loss_fn, predictions)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -699,7 +715,7 @@ def _train_epoch(net: Module, model: Module, optimizer: torch.optim.Optimizer, s
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     total_steps = config.epochs * len(shard)  # every epoch has as many global batches
     start = time.perf_counter()
-    for step, (batch, weight, real) in enumerate(_progress(shard, show, desc=desc,
+    for step, (batch, weight, real, _) in enumerate(_progress(shard, show, desc=desc,
                                                            leave=False)):
         lr = config.lr_at(epoch * len(shard) + step, total_steps)
         for group in optimizer.param_groups:

@@ -16,6 +16,8 @@ import torch
 # the sampler pads 27 to 28 with a repeated example, which must get weight 0. 11
 # validation examples: padded too.
 N_TRAIN, N_VAL, BATCH, EPOCHS, SEED = 27, 11, 8, 2, 3
+# classes that FixedLogits predicts for 11 examples (padded to 12 on two ranks)
+PREDICTED = [2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0]
 CONFIG = dict(epochs=EPOCHS, batch_size=BATCH, lr=0.01, weight_decay=0.01, seed=SEED,
               grad_clip=1.0)
 
@@ -35,25 +37,29 @@ def _data():
 
 def _worker(out: Path) -> None:
     import torch.distributed as dist
-    from test_train import make_model
+    from test_train import FixedLogits, fixed_logit_trees, make_model
 
-    from hsa_graph.experiments.train import TrainConfig, fit
+    from hsa_graph.experiments.train import TrainConfig, evaluate, fit
 
     torch.set_num_threads(1)
     train, val = _data()
     model = make_model(0)
     result = fit(model, train, val, TrainConfig(checkpoint_dir=out / "ckpt", **CONFIG))
     rank = dist.get_rank()
+    # each rank predicts its shard; every rank gets all of them, in data order
+    predictions = evaluate(model, val, batch_size=BATCH, predictions=True)["predictions"]
+    known = evaluate(FixedLogits(), fixed_logit_trees(PREDICTED), batch_size=4,
+                     predictions=True)["predictions"]
     torch.save({"model": model.state_dict(), "history": result["history"],
-                "best_epoch": result["best_epoch"], "world": dist.get_world_size()},
-               out / f"rank{rank}.pt")
+                "best_epoch": result["best_epoch"], "world": dist.get_world_size(),
+                "predictions": predictions, "known": known}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_two_processes_train_the_one_process_model(tmp_path):
     from test_train import assert_same_weights, make_model
 
-    from hsa_graph.experiments.train import TrainConfig, fit, load_checkpoint
+    from hsa_graph.experiments.train import TrainConfig, evaluate, fit, load_checkpoint
 
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
@@ -80,6 +86,9 @@ def test_two_processes_train_the_one_process_model(tmp_path):
     for multi, one in zip(ranks[0]["history"], single["history"]):
         for key in ("train_loss", "val_accuracy", "val_f1", "val_loss"):
             assert abs(multi[key] - one[key]) < 1e-9, (key, multi, one)
+    one_process = evaluate(model, val, batch_size=BATCH, predictions=True)["predictions"]
+    assert ranks[0]["predictions"] == ranks[1]["predictions"] == one_process
+    assert all(r["known"] == PREDICTED for r in ranks)
     # the weights moved (the equality is not that of two untrained models)
     assert not torch.allclose(make_model(0).lin_in.weight, model.lin_in.weight)
     # rank 0 wrote the checkpoints; they hold the last epoch's weights of both runs

@@ -153,6 +153,40 @@ def test_checkpoint_evaluates_to_the_reported_accuracy(tiny_run, tmp_path):
     assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
 
 
+def test_evaluate_checkpoint_reads_each_example_once(tiny_run, tmp_path, monkeypatch):
+    """The breakdown comes from the predictions of the metrics' own forward passes."""
+    import hsa_graph.experiments.listops as listops
+
+    out, result = tiny_run
+    run = result["runs"][0]
+    data = generate_listops_test_file(tmp_path, result)
+    seen = []
+    load = listops.load_model
+
+    def counting(path):
+        variant, spec, model = load(path)
+        model.register_forward_hook(lambda m, args, out: seen.append(args[0].num_graphs))
+        return variant, spec, model
+
+    monkeypatch.setattr(listops, "load_model", counting)
+    metrics = evaluate_checkpoint(run["checkpoint"], str(data), batch_size=5)
+    assert sum(seen) == metrics["n"] == 16
+    assert metrics["breakdown"] == run["breakdown"]
+    assert "predictions" not in metrics
+
+
+def test_accuracy_breakdown_needs_one_prediction_per_row():
+    from hsa_graph.experiments.listops import accuracy_breakdown
+
+    rows = [("[MAX 1 2 ]", 2), ("[SM 3 4 ]", 7), ("5", 5)]
+    got = accuracy_breakdown([2, 0, 5], rows)
+    assert got["by_operator"] == {"MAX": {"accuracy": 1.0, "n": 1},
+                                  "SM": {"accuracy": 0.0, "n": 1},
+                                  "digit": {"accuracy": 1.0, "n": 1}}
+    with pytest.raises(ValueError, match="2 predictions for 3 rows"):
+        accuracy_breakdown([2, 0], rows)
+
+
 def generate_listops_test_file(tmp_path, result):
     """The run's test split, written in LRA's curried form."""
     from hsa_graph.datasets.listops import generate_listops_splits

@@ -245,6 +245,30 @@ def test_evaluate_matches_an_independent_computation():
     assert only["macro_f1"] == pytest.approx((2 / 3 + 0) / 2)
 
 
+def fixed_logit_trees(preds):
+    """Trees that :class:`FixedLogits` predicts as ``preds``, all labelled 1."""
+    trees = []
+    for p in preds:
+        logits = torch.full((3,), -1.0)
+        logits[p] = 2.0
+        tree = hsa_graph.NestedSignal.from_nested([logits, torch.zeros(3)])
+        tree.y = torch.tensor([1])
+        trees.append(tree)
+    return trees
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 9, 20])
+def test_evaluate_returns_each_examples_prediction_in_data_order(batch_size):
+    preds = [2, 0, 1, 1, 2, 0, 0, 2, 1]
+    trees = fixed_logit_trees(preds)
+    got = evaluate(FixedLogits(), trees, batch_size=batch_size, predictions=True)
+    assert got["predictions"] == preds
+    assert got["accuracy"] == pytest.approx(3 / 9)
+    # the metrics are those of a call without predictions
+    plain = evaluate(FixedLogits(), trees, batch_size=batch_size)
+    assert {k: v for k, v in got.items() if k != "predictions"} == plain
+
+
 # ------------------------------------------------------------------ checkpoints
 @pytest.mark.parametrize("schedule", [{}, {"lr_schedule": "cosine", "warmup_steps": 3,
                                           "min_lr": 1e-3}])
