@@ -419,7 +419,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("hsa-graph: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, ImportError) as error:
+    except (ValueError, OSError, ImportError) as error:  # OSError: a bad path (--out, ...)
         print(f"hsa-graph {command or ''}: error: {error}".replace("  ", " "),
               file=sys.stderr)
         return 1

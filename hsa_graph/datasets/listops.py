@@ -44,7 +44,6 @@ attention logits, never carry a value.
 """
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -166,6 +165,8 @@ def parse_listops(expression: str, *, max_depth: Optional[int] = 1000) -> ListOp
     """
     if not isinstance(expression, str):
         raise TypeError(f"a ListOps expression must be a str, got {type(expression).__name__}")
+    if max_depth is not None:
+        max_depth = _check_int("max_depth", max_depth, 1)
     words = expression.split()
     if not words:
         raise ValueError("empty ListOps expression")
@@ -459,6 +460,25 @@ def _operator_ids(operators: Sequence[str]) -> np.ndarray:
     return np.array(sorted(OPERATORS.index(op) for op in operators), dtype=np.int64)
 
 
+#: The longest expression :func:`generate_listops` draws (tokens): a batch of trees grows
+#: level by level up to ``max_length`` tokens each, in arrays of that many entries.
+MAX_GENERATED_LENGTH = 1 << 24
+
+#: Tokens that the trees of one batch of :func:`generate_listops` may hold at once.
+_BATCH_TOKENS = 1 << 23
+
+
+def _fits_in_memory(num_examples: int, min_length: int) -> bool:
+    """Whether ``num_examples`` expressions of more than ``min_length`` tokens (two bytes
+    of text per token at least, and about 100 bytes of Python objects per expression)
+    could fit in this machine's physical memory (``True`` where it cannot be read)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return True
+    return num_examples * (2 * (min_length + 1) + 100) <= memory
+
+
 def _max_possible_length(max_depth: int, max_args: int) -> int:
     length = 1
     for _ in range(max_depth - 1):
@@ -491,8 +511,9 @@ def _sample_batch(rng: np.random.Generator, size: int, max_depth: int, max_args:
         # every pending argument adds at least one token: stop growing hopeless trees
         alive &= known + pending < max_length
         levels.append((tree, is_op, nargs, np.where(is_op, 10 + op, digit)))
-        child_tree = np.repeat(tree, nargs)
-        tree = child_tree[alive[child_tree]]
+        # children of live trees only: a dead tree's would be dropped at once, and a
+        # huge max_args would make them an array of max_args entries per operator
+        tree = np.repeat(tree, np.where(alive[tree], nargs, 0))
         if depth < max_depth:
             levels[-1] = levels[-1] + (alive[levels[-1][0]],)
     accept = alive & (known > min_length) & (known < max_length)
@@ -565,7 +586,8 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
         operator_prob: probability that a node above ``max_depth`` is an operator.
         seed: the seed; the same seed and settings give the same list.
         unique: drop repeated expressions (as LRA does).
-        exclude: expressions never to return (e.g. another split's).
+        exclude: expressions never to return, as strings or as ``(expression,
+            label)`` pairs (e.g. another split), whatever ``unique`` says.
         operators: the operators drawn from (uniformly), a subset of :data:`OPERATORS`;
             all four by default (a subset isolates one operator's share of the task,
             e.g. without ``SM``, the only one that needs counting).
@@ -576,8 +598,11 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
 
     Raises:
         ValueError: a bad setting, a length window that no tree of these settings can
-            reach, or (with ``unique``) settings with fewer distinct expressions than
-            asked for.
+            reach, ``max_length`` above :data:`MAX_GENERATED_LENGTH` + 1, more
+            expressions than this machine's memory could hold, or (with ``unique``)
+            settings with fewer distinct expressions than asked for.
+        TypeError: ``exclude`` is one string or holds something else than
+            expressions and pairs.
 
     Example:
         >>> data = generate_listops(3, max_depth=3, max_args=3, min_length=4, max_length=12)
@@ -590,41 +615,73 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
     min_length = _check_int("min_length", min_length, 0)
     max_length = _check_int("max_length", max_length, 2)
     seed = _check_int("seed", seed, 0)
-    if not isinstance(operator_prob, (int, float)) or not 0.0 < operator_prob <= 1.0:
-        raise ValueError(f"operator_prob must lie in (0, 1], got {operator_prob!r}")
+    if isinstance(operator_prob, (bool, np.bool_)) or \
+            not isinstance(operator_prob, (int, float, np.integer, np.floating)) or \
+            not 0.0 < float(operator_prob) <= 1.0:
+        raise ValueError(f"operator_prob must be a number in (0, 1], got {operator_prob!r}")
     if max_length - min_length < 2:
         raise ValueError(f"no length lies strictly between min_length={min_length} and "
                          f"max_length={max_length}")
+    if max_length > MAX_GENERATED_LENGTH + 1:
+        raise ValueError(f"max_length={max_length:,}: generate_listops draws expressions of "
+                         f"at most {MAX_GENERATED_LENGTH:,} tokens")
+    if not _fits_in_memory(num_examples, min_length):
+        raise ValueError(f"{num_examples:,} expressions of more than {min_length} tokens "
+                         f"cannot fit in this machine's memory")
+    # an operator of k arguments spans at least k + 2 tokens, so no kept expression has
+    # one of more than max_length - 3: drawing from 2 .. that bound keeps the same
+    # distribution of kept expressions (the draws above it were all rejected)
+    max_args = max(2, min(max_args, max_length - 3))
     longest = _max_possible_length(max_depth, max_args)
     if longest <= min_length:
         raise ValueError(f"with max_depth={max_depth} and max_args={max_args} no expression is "
                          f"longer than {longest} tokens, so none exceeds min_length="
                          f"{min_length}")
     operator_ids = _operator_ids(operators)
+    excluded = _excluded_expressions(exclude)
+    seen = set(excluded)
     rng = np.random.default_rng(seed)
-    seen = set(exclude)
     out: List[Tuple[str, int]] = []
     idle = 0
-    # a fixed batch size keeps the draw a function of the seed and settings only
-    batch = 4096
+    # the batch size is a function of the settings alone, so the draw is one of the
+    # seed and settings; 4,096 trees unless so many could outgrow the memory bound
+    batch = max(1, min(4096, _BATCH_TOKENS // max_length))
+    patience = -(-200 * 4096 // batch)
     while len(out) < num_examples:
         exprs, values = _sample_batch(rng, batch, max_depth, max_args, float(operator_prob),
                                       min_length, max_length, operator_ids)
         before = len(out)
         for expr, value in zip(exprs, values):
+            if expr in seen:
+                continue
             if unique:
-                if expr in seen:
-                    continue
                 seen.add(expr)
             out.append((expr, int(value)))
             if len(out) == num_examples:
                 break
         idle = idle + 1 if len(out) == before else 0
-        if idle >= 200:
+        if idle >= patience:
             raise ValueError(f"drew only {len(out)} of {num_examples} "
                              f"{'distinct ' if unique else ''}expressions in "
-                             f"{200 * batch:,} tries: these settings rarely (or never) give "
-                             f"more")
+                             f"{patience * batch:,} tries: these settings rarely (or never) "
+                             f"give more")
+    return out
+
+
+def _excluded_expressions(exclude: Iterable) -> set:
+    """The expressions of ``exclude``: strings, or ``(expression, label)`` pairs as a
+    split holds them."""
+    if isinstance(exclude, (str, bytes)):
+        raise TypeError("exclude must be a collection of expressions (or of (expression, "
+                        "label) pairs), not one string")
+    out = set()
+    for i, item in enumerate(exclude):
+        if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+            item = item[0]
+        if not isinstance(item, str):
+            raise TypeError(f"exclude[{i}] must be an expression (str) or an (expression, "
+                            f"label) pair, got {type(item).__name__}")
+        out.add(item)
     return out
 
 
@@ -655,55 +712,77 @@ def read_listops_tsv(path: Union[str, os.PathLike], *, check: bool = False
     r"""Read a file in LRA's format: a header ``Source\tTarget``, then one expression
     and its label (0-9) per line, tab-separated.
 
+    Lines end in ``\n``, ``\r\n`` or ``\r``; a UTF-8 byte-order mark before the
+    header is skipped; blank lines are skipped; spaces around each field are dropped.
+    Fields are taken as written (no CSV quoting: a ``"`` is a character of the
+    expression, which LRA's expressions never hold), with no limit on their length.
+
     Args:
         path: the file.
         check: also parse every expression and check its label against its value.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: naming the file and line, for a wrong header, a line without
-            exactly two fields, a label that is not a digit 0-9, and (``check``) a
-            malformed expression or a label that is not its value.
+        ValueError: naming the file and line, for text that is not UTF-8, a wrong
+            header, a line without exactly two fields, a label that is not a digit
+            0-9, and (``check``) a malformed expression or a label that is not its
+            value.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no ListOps file {path}")
     rows: List[Tuple[str, int]] = []
-    with open(path, newline="", encoding="utf-8") as handle:
-        reader = csv.reader(handle, delimiter="\t")
-        try:
-            for line_no, row in enumerate(reader, 1):
-                if line_no == 1:
-                    if [c.strip() for c in row] != ["Source", "Target"]:
-                        raise ValueError(f"{path}, line 1: the header must be "
-                                         f"'Source<TAB>Target', got {row!r:.80}")
-                    continue
-                if not row or (len(row) == 1 and not row[0].strip()):
-                    continue
-                if len(row) != 2:
-                    raise ValueError(f"{path}, line {line_no}: expected 2 tab-separated "
-                                     f"fields (Source, Target), got {len(row)}")
-                source, target = row[0].strip(), row[1].strip()
-                if target not in VOCAB[:10]:
-                    raise ValueError(f"{path}, line {line_no}: the label must be a digit "
-                                     f"0-9, got {target!r:.40}")
-                label = int(target)
-                if check:
-                    try:
-                        value = evaluate_listops(source)
-                    except ValueError as error:
-                        raise ValueError(f"{path}, line {line_no}: {error}") from None
-                    if value != label:
-                        raise ValueError(f"{path}, line {line_no}: the label is {label} but "
-                                         f"the expression's value is {value}")
-                rows.append((source, label))
-        except csv.Error as error:
-            raise ValueError(f"{path}, line {reader.line_num}: {error}") from None
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{path}: not UTF-8 text ({error})") from None
-    if reader.line_num == 0:
+    line_no = 0
+    with open(path, "rb") as handle:
+        for line_no, line in enumerate(_text_lines(handle, path), 1):
+            if line_no == 1:
+                fields = [c.strip() for c in line.lstrip("\ufeff").split("\t")]
+                if fields != ["Source", "Target"]:
+                    raise ValueError(f"{path}, line 1: the header must be "
+                                     f"'Source<TAB>Target', got {fields!r:.80}")
+                continue
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if len(fields) != 2:
+                raise ValueError(f"{path}, line {line_no}: expected 2 tab-separated "
+                                 f"fields (Source, Target), got {len(fields)}")
+            source, target = fields[0].strip(), fields[1].strip()
+            if target not in VOCAB[:10]:
+                raise ValueError(f"{path}, line {line_no}: the label must be a digit "
+                                 f"0-9, got {target!r:.40}")
+            label = int(target)
+            if check:
+                try:
+                    value = evaluate_listops(source)
+                except ValueError as error:
+                    raise ValueError(f"{path}, line {line_no}: {error}") from None
+                if value != label:
+                    raise ValueError(f"{path}, line {line_no}: the label is {label} but "
+                                     f"the expression's value is {value}")
+            rows.append((source, label))
+    if line_no == 0:
         raise ValueError(f"{path} is empty (expected the header 'Source<TAB>Target')")
     return rows
+
+
+def _text_lines(handle, path: Path) -> Iterable[str]:
+    """The lines of a binary file as text, split at ``\n``, ``\r\n`` and ``\r``
+    alone (and nowhere else), each decoded as UTF-8 on its own, so that an error
+    names its line."""
+    line_no = 0
+    for raw in handle:
+        parts = raw.rstrip(b"\n").split(b"\r")
+        if len(parts) > 1 and not parts[-1]:   # a \r (or \r\n) ended the last line
+            parts.pop()
+        for part in parts:
+            line_no += 1
+            try:
+                yield part.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}, line {line_no}: not UTF-8 text (byte "
+                                 f"{part[error.start]:#04x} at column {error.start + 1})"
+                                 ) from None
 
 
 def write_listops_tsv(path: Union[str, os.PathLike], examples: Sequence[Tuple[str, int]], *,
@@ -712,12 +791,17 @@ def write_listops_tsv(path: Union[str, os.PathLike], examples: Sequence[Tuple[st
     ``Source\tTarget``, one example per line; ``parens=True`` writes the expressions
     in LRA's curried form (:func:`to_lra_form`).
 
+    The file is replaced whole or not at all: every example is checked first and the
+    text is written under a temporary name, then renamed.
+
     Raises:
-        ValueError: naming the example, for a label that is not an int 0-9 or an
-            expression holding a tab or a line break.
+        ValueError: naming the example, for a label that is not an int 0-9, an
+            expression holding a tab or a line break, beginning or ending with
+            whitespace, or not encodable as UTF-8 (a lone surrogate), or (``parens``)
+            one that :func:`to_lra_form` cannot read.
     """
     path = Path(path)
-    lines = ["Source\tTarget"]
+    lines = [b"Source\tTarget"]
     for i, example in enumerate(examples):
         if not isinstance(example, (tuple, list)) or len(example) != 2:
             raise ValueError(f"example {i} must be an (expression, label) pair")
@@ -730,7 +814,21 @@ def write_listops_tsv(path: Union[str, os.PathLike], examples: Sequence[Tuple[st
             raise ValueError(f"example {i}: the label must be an int 0-9, got {label!r}")
         if any(c in expr for c in "\t\r\n"):
             raise ValueError(f"example {i}: the expression holds a tab or a line break")
-        lines.append(f"{to_lra_form(expr) if parens else expr}\t{int(label)}")
+        if expr != expr.strip():
+            raise ValueError(f"example {i}: the expression begins or ends with "
+                             f"whitespace, which the reader drops")
+        try:
+            text = to_lra_form(expr) if parens else expr
+            lines.append(f"{text}\t{int(label)}".encode())
+        except (ValueError, UnicodeEncodeError) as error:
+            raise ValueError(f"example {i}: {error}") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # every example checked and encoded before the file is touched, then written
+    # under a temporary name and renamed: a failure leaves any earlier file whole
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(b"\n".join(lines) + b"\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -425,18 +425,26 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
     (for :class:`NestedValueLoss`).
 
     Raises:
-        ValueError: naming the row, for a malformed expression or a label that is not
-            the expression's value.
+        ValueError: naming the row (0-based, blank lines of a file not counted), for a
+            row that is not a pair, a label that is not an int, a malformed expression
+            or a label that is not the expression's value.
     """
     from ..builders.windows import hopping_window_tree
 
     if structure not in ("parse", "parse_brackets", "windows"):
         raise ValueError(f"unknown structure {structure!r}")
     out = []
-    for i, (expr, label) in enumerate(rows):
+    for i, row in enumerate(rows):
+        if not isinstance(row, (tuple, list)) or len(row) != 2:
+            raise ValueError(f"{where}, example {i}: expected an (expression, label) pair, "
+                             f"got {type(row).__name__}")
+        expr, label = row
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
+            raise ValueError(f"{where}, example {i}: the label must be an int 0-9, got "
+                             f"{label!r:.40}")
         try:
             parsed = parse_listops(expr)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             raise ValueError(f"{where}, example {i}: {error}") from None
         if parsed.value != int(label):
             raise ValueError(f"{where}, example {i}: the label is {label} but the "
@@ -647,6 +655,10 @@ def accuracy_breakdown(predictions: Sequence[int], rows: Sequence[Tuple[str, int
     "by_dependence": {bin: {...}}}``, bins in increasing order, empty ones left out."""
     if len(predictions) != len(rows):
         raise ValueError(f"{len(predictions)} predictions for {len(rows)} rows")
+    for i, guess in enumerate(predictions):
+        if isinstance(guess, (bool, np.bool_)) or not isinstance(guess, (int, np.integer)):
+            raise TypeError(f"predictions[{i}] must be a class index (an int), got "
+                            f"{guess!r:.40}")
     hit = [int(guess) == int(label) for guess, (_, label) in zip(predictions, rows)]
     groups: Dict[str, Dict[str, List[bool]]] = {"by_operator": {}, "by_depth": {},
                                                 "by_dependence": {}}

@@ -300,3 +300,91 @@ def test_the_datasets_package_exports_every_public_name():
     for name in listops.__all__:
         assert name in datasets.__all__, name
         assert getattr(datasets, name) is getattr(listops, name), name
+
+
+# ------------------------------------------------------------------ attacks
+def test_exclude_takes_expressions_or_pairs_whatever_unique_says():
+    tiny = dict(max_depth=2, max_args=2, min_length=3, max_length=5)
+    test = generate_listops(300, seed=1, **tiny)
+    held_out = {e for e, _ in test}
+    for exclude in (test, [e for e, _ in test], held_out):     # pairs, strings, a set
+        for unique in (True, False):
+            train = generate_listops(100, seed=2, exclude=exclude, unique=unique, **tiny)
+            assert not held_out & {e for e, _ in train}
+    # without exclude the same draw does repeat the held-out expressions (the test bites)
+    assert held_out & {e for e, _ in generate_listops(100, seed=2, **tiny)}
+    with pytest.raises(TypeError, match="not one string"):
+        generate_listops(5, exclude="[MAX 1 2 ]", **tiny)
+    with pytest.raises(TypeError, match=r"exclude\[1\]"):
+        generate_listops(5, exclude=["[MAX 1 2 ]", 3], **tiny)
+
+
+def test_generator_cost_follows_the_output_not_the_settings():
+    # max_args far above what max_length allows: the same expressions, at once
+    start = time.perf_counter()
+    huge = generate_listops(30, max_depth=3, max_args=10**7, min_length=4, max_length=12)
+    assert time.perf_counter() - start < 5
+    assert all(4 < len(e.split()) < 12 and evaluate_listops(e) == v for e, v in huge)
+    assert generate_listops(30, max_depth=3, max_args=2**70, min_length=4, max_length=12) \
+        == huge == generate_listops(30, max_depth=3, max_args=9, min_length=4, max_length=12)
+    with pytest.raises(ValueError, match="at most 16,777,216 tokens"):
+        generate_listops(1, max_depth=60, operator_prob=0.5, min_length=10,
+                         max_length=10**9)
+    for count in (10**12, 10**15):   # refused before drawing anything
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="cannot fit in this machine's memory"):
+            generate_listops(count, max_depth=3, max_args=3, min_length=4, max_length=12)
+        with pytest.raises(ValueError, match="cannot fit"):
+            generate_listops_splits(count, 2, 2, max_depth=3, max_args=3, min_length=4,
+                                    max_length=12)
+        assert time.perf_counter() - start < 1
+    for bad in (True, "0.5", float("nan"), 0.0, 1.5):
+        with pytest.raises(ValueError, match="operator_prob"):
+            generate_listops(2, operator_prob=bad, **SMALL)
+    # numpy numbers are numbers
+    assert generate_listops(3, operator_prob=np.float32(0.25), seed=5, **SMALL) == \
+        generate_listops(3, operator_prob=0.25, seed=5, **SMALL)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_depth"):
+            parse_listops("5", max_depth=bad)
+
+
+def test_tsv_reads_what_it_writes_whatever_the_text(tmp_path):
+    long = "[SM " + "1 " * 70_000 + "]"                       # 140,004 characters
+    rows = [(long, 0), ('"[MAX 1 2 ]', 2), ("[MIN 3 4 ]", 3), ('"', 0)]
+    path = write_listops_tsv(tmp_path / "x.tsv", rows)
+    assert read_listops_tsv(path) == rows                     # a quote is a character
+    with pytest.raises(ValueError, match="line 3: unknown token"):
+        read_listops_tsv(path, check=True)
+    with pytest.raises(ValueError, match="example 1: .*whitespace"):
+        write_listops_tsv(tmp_path / "y.tsv", [("[MAX 1 2 ]", 2), (" [MAX 1 2 ]", 2)])
+
+
+def test_tsv_write_failure_leaves_the_earlier_file_whole(tmp_path):
+    path = write_listops_tsv(tmp_path / "x.tsv", [("[MAX 1 2 ]", 2)] * 3)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="example 1"):
+        write_listops_tsv(path, [("[MAX 1 2 ]", 2), ("[MAX 1 2 ]\ud800", 2)])
+    with pytest.raises(ValueError, match="example 1: .*never closed"):
+        write_listops_tsv(path, [("[MAX 1 2 ]", 2), ("[MAX", 0)], parens=True)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["x.tsv"]  # no temporary left
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xef\xbb\xbfSource\tTarget\n[MAX 1 2 ]\t2\n[SM 3 4 ]\t7\n",     # byte-order mark
+    b"Source\tTarget\r\n[MAX 1 2 ]\t2\r\n[SM 3 4 ]\t7\r\n",          # CRLF
+    b"Source\tTarget\r[MAX 1 2 ]\t2\r[SM 3 4 ]\t7\r",                # CR alone
+    b"Source\tTarget\n[MAX 1 2 ]\t2\n\n[SM 3 4 ]\t7",                # blank, no last \n
+])
+def test_tsv_line_endings_and_byte_order_mark(tmp_path, raw):
+    path = tmp_path / "x.tsv"
+    path.write_bytes(raw)
+    assert read_listops_tsv(path, check=True) == [("[MAX 1 2 ]", 2), ("[SM 3 4 ]", 7)]
+
+
+def test_tsv_decoding_error_names_the_line(tmp_path):
+    path = tmp_path / "x.tsv"
+    path.write_bytes(b"Source\tTarget\n" + b"[MAX 1 2 ]\t2\n" * 5000 + b"[MAX 1 \xff ]\t2\n")
+    with pytest.raises(ValueError, match=r"line 5002: not UTF-8 text \(byte 0xff at column 8\)"):
+        read_listops_tsv(path)

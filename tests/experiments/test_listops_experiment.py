@@ -185,6 +185,23 @@ def test_accuracy_breakdown_needs_one_prediction_per_row():
                                   "digit": {"accuracy": 1.0, "n": 1}}
     with pytest.raises(ValueError, match="2 predictions for 3 rows"):
         accuracy_breakdown([2, 0], rows)
+    for bad in (2.9, "2", True, None):   # a class index, never a truncated number
+        with pytest.raises(TypeError, match=r"predictions\[1\] must be a class index"):
+            accuracy_breakdown([2, bad, 5], rows)
+    assert accuracy_breakdown(torch.tensor([2, 0, 5]).numpy().tolist(), rows) == got
+
+
+@pytest.mark.parametrize("row, match", [
+    (("[MAX 1 2 ]", 2.7), "example 1: the label must be an int"),
+    (("[MAX 1 2 ]", "2"), "example 1: the label must be an int"),
+    (("[MAX 1 2 ]", None), "example 1: the label must be an int"),
+    (("[MAX 1 2 ]", True), "example 1: the label must be an int"),
+    (("[MAX 1 2 ]", 2, 0), "example 1: expected an \\(expression, label\\) pair"),
+    ((None, 2), "example 1: a ListOps expression must be a str"),
+])
+def test_build_examples_names_the_bad_row(row, match):
+    with pytest.raises(ValueError, match=match):
+        build_examples([("[MIN 1 2 ]", 1), row], "parse", where="f.tsv")
 
 
 def generate_listops_test_file(tmp_path, result):
@@ -227,6 +244,21 @@ def test_cli_generate(tmp_path):
                  "--min-length", "4", "--max-length", "20"]) == 0
     rows = read_listops_tsv(tmp_path / "basic_test.tsv", check=True)
     assert len(rows) == 3
+
+
+def test_cli_generate_bad_places_and_sizes(tmp_path, capsys):
+    small = ["--num-val", "1", "--num-test", "1", "--max-depth", "3", "--max-args", "3",
+             "--min-length", "4", "--max-length", "20"]
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "below"):       # a file where a folder is asked for
+        assert main(["listops", "generate", "--out", str(out), "--num-train", "1",
+                     *small]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("hsa-graph listops: error: ") and "Traceback" not in err
+    assert main(["listops", "generate", "--out", str(tmp_path / "x"), "--num-train",
+                 str(10**13), *small]) == 1
+    assert "cannot fit in this machine's memory" in capsys.readouterr().err
 
 
 def test_structures_and_models_agree_on_leaves():
