@@ -628,18 +628,17 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
     if not _fits_in_memory(num_examples, min_length):
         raise ValueError(f"{num_examples:,} expressions of more than {min_length} tokens "
                          f"cannot fit in this machine's memory")
-    # an operator of k arguments spans at least k + 2 tokens, so no kept expression has
-    # one of more than max_length - 3: drawing from 2 .. that bound keeps the same
-    # distribution of kept expressions (the draws above it were all rejected)
-    max_args = max(2, min(max_args, max_length - 3))
     longest = _max_possible_length(max_depth, max_args)
     if longest <= min_length:
         raise ValueError(f"with max_depth={max_depth} and max_args={max_args} no expression is "
                          f"longer than {longest} tokens, so none exceeds min_length="
                          f"{min_length}")
+    # an operator of k arguments spans at least k + 2 tokens, so no kept expression has
+    # one of more than max_length - 3: drawing from 2 .. that bound keeps the same
+    # distribution of kept expressions (the draws above it were all rejected)
+    max_args = max(2, min(max_args, max_length - 3))
     operator_ids = _operator_ids(operators)
-    excluded = _excluded_expressions(exclude)
-    seen = set(excluded)
+    seen = _excluded_expressions(exclude)
     rng = np.random.default_rng(seed)
     out: List[Tuple[str, int]] = []
     idle = 0
