@@ -231,13 +231,16 @@ class ListOpsClassifier(Module):
         of tokens (their mean, or with ``pool="first"`` the operator token), then the
         MLP. ``token_outputs``: :meth:`encode`'s."""
         structure = batch.structure_for(token_outputs.device)
-        nested = batch.nested_index
+        first = structure.unified_of_node[batch.nested_index]
         if self.classifier.pool == "first":  # the span's first token: the operator
-            pooled = token_outputs[structure.unified_of_node[nested]]
-        else:  # the mean over each span's (leaf, owner) pairs, indexed by owner node
-            pooled = scatter(token_outputs[structure.unified_of_node[batch.nested_leaf_index]],
-                             batch.nested_owner_index, 0, dim_size=structure.num_nodes,
-                             reduce="mean")[nested]
+            pooled = token_outputs[first]
+        else:  # the mean over each span: consecutive leaf rows (leaves come first, in
+            # node order), a difference of prefix sums, in float64 so that a short
+            # span keeps its digits next to sums over the whole batch
+            last = structure.unified_of_node[batch.nested_last_index]
+            prefix = torch.nn.functional.pad(token_outputs.double().cumsum(0), (0, 0, 1, 0))
+            pooled = ((prefix[last + 1] - prefix[first])
+                      / (last - first + 1).unsqueeze(-1)).to(token_outputs.dtype)
         return self.classifier.mlp(pooled)
 
 
@@ -384,10 +387,11 @@ def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
     """The targets :class:`NestedValueLoss` reads, on ``tree`` whose leaves are the
     tokens of ``parsed`` in order (without ``]`` unless ``keep_close``): for every
     nested operator (one inside another), ``nested_index`` (the node of its operator
-    token), ``nested_y`` (its value), ``nested_height`` (1: over digits only, 2: over
-    operators over digits, ...), and for every token of its span
-    ``nested_leaf_index`` (the token's node) and ``nested_owner_index`` (the
-    operator's node). Node indices, so batching offsets them."""
+    token, the first of its span), ``nested_last_index`` (the node of its span's last
+    token), ``nested_y`` (its value) and ``nested_height`` (1: over digits only, 2: over
+    operators over digits, ...). A span is the leaves between the two, in leaf order:
+    two indices per operator, so the targets grow with the operators, not with tokens
+    times depth. Node indices, so batching offsets them."""
     tokens = parsed.tokens
     is_close = tokens == CLOSE
     is_open = (tokens >= 10) & (tokens < CLOSE)
@@ -403,15 +407,10 @@ def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
     expected = tokens.size if keep_close else tokens.size - int(closes[-1])
     if leaves.numel() != expected:
         raise ValueError(f"the tree has {leaves.numel()} leaves for {expected} tokens")
-    sizes = last - first + 1
-    starts = np.repeat(first - np.cumsum(sizes) + sizes, sizes)
-    span = torch.from_numpy(np.arange(int(sizes.sum())) + starts)
-    anchor = leaves[torch.from_numpy(first)]
-    tree.nested_index = anchor
+    tree.nested_index = leaves[torch.from_numpy(first)]
+    tree.nested_last_index = leaves[torch.from_numpy(last)]
     tree.nested_y = torch.from_numpy(parsed.values[nested].astype(np.int64))
     tree.nested_height = torch.from_numpy(_operator_heights(parsed, is_open)[nested])
-    tree.nested_leaf_index = leaves[span]
-    tree.nested_owner_index = anchor.repeat_interleave(torch.from_numpy(sizes))
 
 
 def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,

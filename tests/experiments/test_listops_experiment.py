@@ -363,11 +363,8 @@ def _spans(tree, expression, keep_close):
     """Each nested operator's span as its tokens, read back through the leaves."""
     words = [w for w in expression.split() if keep_close or w != "]"]
     row = {int(n): i for i, n in enumerate(tree.leaf_index)}
-    spans = {}
-    for leaf, owner in zip(tree.nested_leaf_index.tolist(),
-                           tree.nested_owner_index.tolist()):
-        spans.setdefault(owner, []).append(words[row[leaf]])
-    return [" ".join(spans[a]) for a in tree.nested_index.tolist()]
+    return [" ".join(words[row[a]:row[b] + 1]) for a, b in zip(
+        tree.nested_index.tolist(), tree.nested_last_index.tolist())]
 
 
 @pytest.mark.parametrize("structure", ["parse", "parse_brackets", "windows"])
@@ -383,7 +380,7 @@ def test_nested_targets_are_each_nested_operator_s_span_and_value(structure):
     assert _spans(trees[1], rows[1][0], keep) == [f"[SM 3 4{close}"]
     assert trees[1].nested_y.tolist() == [7]
     for tree in trees[2:]:                          # no nested operator
-        assert tree.nested_index.numel() == tree.nested_leaf_index.numel() == 0
+        assert tree.nested_index.numel() == tree.nested_last_index.numel() == 0
     assert not hasattr(build_examples(rows[:1], structure)[0], "nested_index")
 
 
@@ -399,13 +396,18 @@ def test_on_the_parse_tree_a_span_is_the_operator_s_subtree():
     # the internal node just before each operator token is its operator's node
     subtree = subtree_pool(leaf_rows, batch, batch.nested_index - 1)
     structure = batch.structure
-    owner = batch.nested_owner_index
-    sums = torch.zeros(batch.num_nodes, 3, dtype=torch.float64).index_add_(
-        0, owner, leaf_rows[structure.unified_of_node[batch.nested_leaf_index]])
-    span = sums[batch.nested_index] / torch.bincount(owner, minlength=batch.num_nodes)[
-        batch.nested_index, None]
+    first = structure.unified_of_node[batch.nested_index].tolist()
+    last = structure.unified_of_node[batch.nested_last_index].tolist()
+    span = torch.stack([leaf_rows[a:b + 1].mean(0) for a, b in zip(first, last)])
     assert batch.nested_index.numel() > 6
     torch.testing.assert_close(span, subtree, rtol=1e-12, atol=1e-12)
+
+
+def test_nested_targets_grow_with_the_operators_not_with_tokens_times_depth():
+    deep = "[SM " * 1000 + "1 " * 20_000 + "] " * 1000      # 22,000 tokens, 1,000 deep
+    tree = build_examples([(deep, 0)], "parse", nested_targets=True)[0]
+    assert tree.nested_index.numel() == tree.nested_last_index.numel() == 999
+    assert sum(v.numel() for k, v in tree.items() if k.startswith("nested")) == 4 * 999
 
 
 @pytest.mark.parametrize("variant,pool", [("hsa-tree", "mean"), ("fsa", "mean"),
