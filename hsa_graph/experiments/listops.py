@@ -238,7 +238,7 @@ class ListOpsClassifier(Module):
             # node order), a difference of prefix sums, in float64 so that a short
             # span keeps its digits next to sums over the whole batch
             last = structure.unified_of_node[batch.nested_last_index]
-            prefix = torch.nn.functional.pad(token_outputs.double().cumsum(0), (0, 0, 1, 0))
+            prefix = F.pad(token_outputs.double().cumsum(0), (0, 0, 1, 0))
             pooled = ((prefix[last + 1] - prefix[first])
                       / (last - first + 1).unsqueeze(-1)).to(token_outputs.dtype)
         return self.classifier.mlp(pooled)
