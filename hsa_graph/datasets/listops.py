@@ -51,7 +51,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, 
 import numpy as np
 import torch
 
-from ..signal import NestedSignal
+from ..signal import NestedSignal, _is_int
 
 __all__ = [
     "LRA_SETTINGS",
@@ -443,7 +443,7 @@ def listops_tree(expression: Union[str, ListOpsParse], *, brackets: bool = False
 
 # ------------------------------------------------------------------ generator
 def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not _is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(value)
 
@@ -808,8 +808,7 @@ def write_listops_tsv(path: Union[str, os.PathLike], examples: Sequence[Tuple[st
         if not isinstance(expr, str):
             raise ValueError(f"example {i}: the expression must be a str, got "
                              f"{type(expr).__name__}")
-        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or \
-                not 0 <= label <= 9:
+        if not _is_int(label) or not 0 <= label <= 9:
             raise ValueError(f"example {i}: the label must be an int 0-9, got {label!r}")
         if any(c in expr for c in "\t\r\n"):
             raise ValueError(f"example {i}: the expression holds a tab or a line break")

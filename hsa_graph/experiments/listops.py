@@ -104,6 +104,7 @@ from ..datasets.listops import (
 )
 from ..nn.classifier import TreeClassifier
 from ..nn.encoder import LAYERS
+from ..signal import _is_int
 from .train import (
     LR_SCHEDULES,
     ClassifierOutput,
@@ -438,7 +439,7 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
             raise ValueError(f"{where}, example {i}: expected an (expression, label) pair, "
                              f"got {type(row).__name__}")
         expr, label = row
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
+        if not _is_int(label):
             raise ValueError(f"{where}, example {i}: the label must be an int 0-9, got "
                              f"{label!r:.40}")
         try:
@@ -655,7 +656,7 @@ def accuracy_breakdown(predictions: Sequence[int], rows: Sequence[Tuple[str, int
     if len(predictions) != len(rows):
         raise ValueError(f"{len(predictions)} predictions for {len(rows)} rows")
     for i, guess in enumerate(predictions):
-        if isinstance(guess, (bool, np.bool_)) or not isinstance(guess, (int, np.integer)):
+        if not _is_int(guess):
             raise TypeError(f"predictions[{i}] must be a class index (an int), got "
                             f"{guess!r:.40}")
     hit = [int(guess) == int(label) for guess, (_, label) in zip(predictions, rows)]
