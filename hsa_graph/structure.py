@@ -183,17 +183,29 @@ class FamilyBucket:
     parent_range: Optional[tuple] = None
 
     @property
+    def read(self) -> str:
+        """How :meth:`TreeStructure.gather_bucket` reads the members, the first that
+        applies: ``"leaf_range"`` / ``"internal_range"`` (a view of the source),
+        ``"leaf_block"`` (leaves in place, internal members gathered), ``"leaf_gather"``
+        / ``"internal_gather"`` (one index copy), else ``"by_index"`` (leaf and internal
+        members copied into their slots)."""
+        for name in ("leaf_range", "internal_range", "leaf_block", "leaf_gather",
+                     "internal_gather"):
+            if getattr(self, name) is not None:
+                return name
+        return "by_index"
+
+    @property
     def is_view(self) -> bool:
         """Whether :meth:`TreeStructure.gather_bucket` reads this bucket as a view of its
         source (``leaf_range`` / ``internal_range``) instead of copying its members."""
-        return self.leaf_range is not None or self.internal_range is not None
+        return self.read in ("leaf_range", "internal_range")
 
     @property
     def copies_by_index(self) -> bool:
         """Whether :meth:`TreeStructure.gather_bucket` reads this bucket by its last
         case, two index copies (leaf and internal members, no block of leaves)."""
-        return not self.is_view and self.leaf_block is None and (
-            self.leaf_gather is None and self.internal_gather is None)
+        return self.read == "by_index"
 
 
 @dataclass(frozen=True)
@@ -952,24 +964,25 @@ class TreeStructure:
             return None if scratch is None else scratch[:f * b].view(shape)
         # a range that is the whole tensor is not sliced: a slice's backward zero-fills
         # and copies a full-size gradient
-        if bucket.leaf_range is not None:
+        read = bucket.read
+        if read == "leaf_range":
             lo, hi = bucket.leaf_range
             rows = leaf_values if (lo, hi) == (0, leaf_values.shape[0]) else leaf_values[lo:hi]
             return rows.view(f, b, *rest)
-        if bucket.internal_range is not None:
+        if read == "internal_range":
             lo, hi = bucket.internal_range
             rows = (internal_values if (lo, hi) == (0, internal_values.shape[0])
                     else internal_values[lo:hi])
             return rows.reshape(f, b, *rest)
-        if bucket.leaf_block is not None:  # leaves in place, internal members appended
+        if read == "leaf_block":  # leaves in place, internal members appended
             return torch.cat(self.leaf_block_members(bucket, leaf_values, internal_values),
                              1, out=into((f, b, *rest)))
         # index_select copies whole rows; advanced indexing (values[index]) runs the
         # generic element-wise kernel, several times slower on [N, H, D] rows
-        if bucket.leaf_gather is not None:
+        if read == "leaf_gather":
             return torch.index_select(leaf_values, 0, bucket.leaf_gather,
                                       out=into((f * b, *rest))).view(f, b, *rest)
-        if bucket.internal_gather is not None:
+        if read == "internal_gather":
             return torch.index_select(internal_values, 0, bucket.internal_gather,
                                       out=into((f * b, *rest))).view(f, b, *rest)
         full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b

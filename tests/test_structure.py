@@ -229,6 +229,12 @@ def check_structure(parent: list[int], s: TreeStructure) -> None:
               and bk.internal_range is None and bk.leaf_block is None]
     assert [not bk.is_view for bk in s.buckets] == [
         bk.leaf_range is None and bk.internal_range is None for bk in s.buckets]
+    # read: the first of the ways that applies, by_index when none does
+    ways = ("leaf_range", "internal_range", "leaf_block", "leaf_gather", "internal_gather")
+    for bk in s.buckets:
+        given = [w for w in ways if getattr(bk, w) is not None]
+        assert bk.read == (given[0] if given else "by_index")
+        assert bk.copies_by_index == (not given)
     assert s.copied_slots == max(copied, default=0)
     # a leaf_block bucket in two parts (its leaves, a view of the leaf rows; its
     # internal members), the others as gather_bucket; the scatters take those rows
