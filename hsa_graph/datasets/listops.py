@@ -30,6 +30,9 @@ lengths 500 to 2,000, and 96,000 / 2,000 / 2,000 examples
 candidate trees at once with a seeded :class:`numpy.random.Generator`, so the data is
 a deterministic function of the seed and the settings (not the same expressions as
 LRA's files, which came from Python's ``random``; the distribution is the same).
+:func:`listops_kept_fraction` computes the share of drawn trees that is kept (about 1 in
+12 at LRA's settings), so that settings which would take more than
+:data:`MAX_EXPECTED_DRAWS` draws are refused at once.
 
 **Parse tree** (:func:`listops_tree`): one internal node per bracketed operator, its
 children in order: the operator token as the *first leaf* of its family, then its
@@ -62,6 +65,7 @@ __all__ = [
     "generate_listops",
     "generate_listops_splits",
     "listops_dependence",
+    "listops_kept_fraction",
     "listops_token_ids",
     "listops_tree",
     "parse_listops",
@@ -488,6 +492,69 @@ def _max_possible_length(max_depth: int, max_args: int) -> int:
     return length
 
 
+#: The most draws :func:`generate_listops` is expected to make (about 20 minutes at LRA's
+#: settings on one core): settings that keep fewer expressions than ``num_examples`` in
+#: as many draws are refused before the first draw, not after minutes of rejections.
+MAX_EXPECTED_DRAWS = 10**8
+
+#: The longest length up to which :func:`listops_kept_fraction` resolves the
+#: distribution of lengths; the mass above it is bounded, not resolved.
+_LENGTH_DISTRIBUTION_CAP = 1 << 12
+
+
+def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
+                          operator_prob: float = 0.25, min_length: int = 500,
+                          max_length: int = 2000) -> Optional[float]:
+    r"""The probability that one tree drawn by :func:`generate_listops` is kept, i.e. has
+    ``min_length < T < max_length`` tokens, computed (not sampled), or ``None`` where
+    the computation would be long (very deep and wide settings). Exact for
+    ``max_length <= 4,096``; above, an upper bound (the mass at 4,096 tokens and more
+    counts as kept).
+
+    With :math:`P_d` the distribution of the length of a subtree rooted at depth
+    :math:`d` (:math:`P_{D} = \delta_1` at ``max_depth`` :math:`D`), an operator adds
+    its token and ``]`` to the lengths of its :math:`k \sim U\{2..A\}` arguments:
+
+    .. math::
+        P_d = (1 - p)\, \delta_1 + rac{p}{A - 1} \sum_{k=2}^{A} \delta_2 * P_{d+1}^{*k},
+
+    every distribution truncated at ``max_length`` (lengths only grow, so what lies
+    beyond never comes back below it); the result is the mass of :math:`P_1` strictly
+    between the bounds. Settings are not checked: :func:`generate_listops` checks them.
+
+    Example:
+        >>> round(listops_kept_fraction(), 3)   # LRA's settings: about 1 draw in 12
+        0.083
+    """
+    max_args = max(2, min(max_args, max_length - 3))   # as generate_listops draws
+    cap = min(max_length, _LENGTH_DISTRIBUTION_CAP)
+    # a tree with an operator at depth d spans at least 2 d + 1 tokens: from depth
+    # (cap + 1) // 2 on, an operator's tree is never under cap, and its mass drops out
+    depth = min(max_depth, (cap + 1) // 2)
+    if (depth - 1) * (max_args - 1) > 1024:
+        return None
+    size = 1 << (2 * cap - 1).bit_length()       # FFT length with no wraparound below cap
+
+    def convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        both = np.fft.rfft(a, size) * np.fft.rfft(b, size)
+        return np.fft.irfft(both, size)[:cap].clip(min=0.0)
+
+    pmf = np.zeros(cap)
+    pmf[1] = 1.0 if depth == max_depth else 1.0 - operator_prob
+    for _ in range(depth - 1):
+        power, arguments = pmf, np.zeros(cap)
+        for _ in range(2, max_args + 1):
+            power = convolve(power, pmf)
+            arguments += power
+        pmf = np.zeros(cap)
+        pmf[2:] = operator_prob / (max_args - 1) * arguments[:cap - 2]
+        pmf[1] += 1.0 - operator_prob
+    kept = float(pmf[min(min_length + 1, cap):].sum())
+    if cap < max_length:   # the mass at cap and above: some of it may be kept
+        kept += max(0.0, 1.0 - float(pmf.sum()))
+    return min(kept, 1.0)
+
+
 def _sample_batch(rng: np.random.Generator, size: int, max_depth: int, max_args: int,
                   operator_prob: float, min_length: int, max_length: int,
                   operator_ids: np.ndarray) -> Tuple[List[str], List[int]]:
@@ -598,8 +665,10 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
 
     Raises:
         ValueError: a bad setting, a length window that no tree of these settings can
-            reach, ``max_length`` above :data:`MAX_GENERATED_LENGTH` + 1, more
-            expressions than this machine's memory could hold, or (with ``unique``)
+            reach, a window so rare that ``num_examples`` would take more than
+            :data:`MAX_EXPECTED_DRAWS` draws (:func:`listops_kept_fraction`; raised
+            before the first draw), ``max_length`` above :data:`MAX_GENERATED_LENGTH` + 1,
+            more expressions than this machine's memory could hold, or (with ``unique``)
             settings with fewer distinct expressions than asked for.
         TypeError: ``exclude`` is one string or holds something else than
             expressions and pairs.
@@ -633,6 +702,18 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
         raise ValueError(f"with max_depth={max_depth} and max_args={max_args} no expression is "
                          f"longer than {longest} tokens, so none exceeds min_length="
                          f"{min_length}")
+    kept = listops_kept_fraction(max_depth=max_depth, max_args=max_args,
+                                 operator_prob=float(operator_prob), min_length=min_length,
+                                 max_length=max_length)
+    if kept is not None and num_examples > kept * MAX_EXPECTED_DRAWS:
+        rate = (f"about 1 in {float(f'{1 / kept:.3g}'):,.0f}" if kept > 1e-12
+                else "fewer than 1 in 10^12")
+        raise ValueError(
+            f"with max_depth={max_depth}, max_args={max_args} and operator_prob="
+            f"{operator_prob} {rate} drawn trees has more than min_length={min_length} "
+            f"and fewer than max_length={max_length} tokens: {num_examples:,} expressions "
+            f"would take more than {MAX_EXPECTED_DRAWS:,} draws (widen the length window "
+            f"or raise max_depth, max_args or operator_prob)")
     # an operator of k arguments spans at least k + 2 tokens, so no kept expression has
     # one of more than max_length - 3: drawing from 2 .. that bound keeps the same
     # distribution of kept expressions (the draws above it were all rejected)

@@ -6,11 +6,15 @@ import pytest
 import torch
 
 from hsa_graph.datasets.listops import (
+    MAX_EXPECTED_DRAWS,
     VOCAB,
+    _operator_ids,
+    _sample_batch,
     evaluate_listops,
     generate_listops,
     generate_listops_splits,
     listops_dependence,
+    listops_kept_fraction,
     listops_tree,
     parse_listops,
     read_listops_tsv,
@@ -145,6 +149,73 @@ def test_generator_bad_settings():
         generate_listops(5, max_depth=2, max_args=3, min_length=100, max_length=200)
     with pytest.raises(ValueError, match="distinct"):   # only 10 one-digit expressions
         generate_listops(11, max_depth=1, min_length=0, max_length=2)
+
+
+def reference_kept_fraction(max_depth, max_args, operator_prob, min_length, max_length):
+    """P(min_length < T < max_length) by direct convolution over every level, with no
+    FFT and no cut in depth: written apart from ``listops_kept_fraction``."""
+    lengths = np.zeros(max_length)
+    lengths[1] = 1.0                                    # a digit at max_depth
+    for _ in range(max_depth - 1):
+        total, power = np.zeros(max_length), lengths
+        for _ in range(2, max_args + 1):
+            power = np.convolve(power, lengths)[:max_length]
+            total += power
+        nxt = np.zeros(max_length)
+        nxt[2:] = operator_prob * total[:-2] / (max_args - 1)
+        nxt[1] = 1.0 - operator_prob
+        lengths = nxt
+    return lengths[min_length + 1:].sum()
+
+
+@pytest.mark.parametrize("settings", [
+    (10, 10, 0.25, 500, 2000),     # LRA's
+    (4, 5, 0.25, 10, 60),          # --quick
+    (30, 2, 0.9, 20, 40),          # deeper than any tree under 40 tokens: cut in depth
+    (6, 2, 0.7, 5, 21),
+    (1, 10, 0.25, 0, 2),           # one digit
+    (3, 7, 1.0, 3, 5),             # a window that no tree reaches
+])
+def test_kept_fraction_is_exact(settings):
+    kept = listops_kept_fraction(**dict(zip(
+        ("max_depth", "max_args", "operator_prob", "min_length", "max_length"), settings)))
+    assert kept == pytest.approx(reference_kept_fraction(*settings), rel=1e-9, abs=1e-15)
+
+
+def test_kept_fraction_is_what_the_generator_keeps():
+    """The share of 100,000 drawn trees that the generator keeps, within 5 standard
+    errors of the computed fraction."""
+    for depth, args, prob, low, high in [(10, 10, 0.25, 500, 2000), (6, 2, 0.7, 5, 21),
+                                         (5, 4, 0.5, 30, 80)]:
+        rng = np.random.default_rng(3)
+        kept = sum(len(_sample_batch(rng, 10_000, depth, args, prob, low, high,
+                                     _operator_ids(("MAX", "MIN", "MED", "SM")))[0])
+                   for _ in range(10)) / 100_000
+        q = listops_kept_fraction(max_depth=depth, max_args=args, operator_prob=prob,
+                                  min_length=low, max_length=high)
+        assert abs(kept - q) < 5 * (q * (1 - q) / 100_000) ** 0.5, (depth, args, kept, q)
+
+
+def test_kept_fraction_above_the_resolved_lengths():
+    """Windows above 4,096 tokens: an upper bound that holds the exact fraction."""
+    exact = reference_kept_fraction(5, 10, 0.5, 3000, 4200)
+    bound = listops_kept_fraction(max_depth=5, max_args=10, operator_prob=0.5,
+                                  min_length=3000, max_length=4200)
+    assert exact <= bound <= exact + 1e-3
+    assert listops_kept_fraction(max_depth=10**6, max_args=10, min_length=3000,
+                                 max_length=10**6) is None      # too long to compute
+
+
+def test_generator_refuses_rare_windows_at_once():
+    for settings in (dict(max_depth=4, max_args=5, min_length=150, max_length=188),
+                     dict(min_length=1990, max_length=2000)):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=f"more than {MAX_EXPECTED_DRAWS:,} draws"):
+            generate_listops(10**6, **settings)
+        assert time.perf_counter() - start < 1.0
+    # the same rare window, for as few expressions as a few thousand draws find
+    data = generate_listops(1, min_length=1990, max_length=2000, seed=4)
+    assert 1990 < len(data[0][0].split()) < 2000
 
 
 @pytest.mark.parametrize("parens", [False, True])
