@@ -1163,7 +1163,26 @@ class TreeStructure:
                 scratch = leaf_values.new_empty((slots, *leaf_values.shape[1:]))
             yield self.gather_bucket(bucket, leaf_values, internal_values, scratch)
 
-    def gather_leaf_chunks(self, bucket: FamilyBucket, leaf_values: Sequence[Tensor]
+    def _leaf_chunk_families(self, bucket: FamilyBucket, leaf_values: Sequence[Tensor]
+                             ) -> int:
+        """Families per chunk of :meth:`gather_leaf_chunks` (about :data:`_CHUNK_BYTES`
+        of the widest of ``leaf_values``; at least one family)."""
+        rows = min(_rows_per_chunk(t[:1]) for t in leaf_values)
+        return min(bucket.num_families, max(1, rows // bucket.size))
+
+    def new_leaf_chunk_scratch(self, leaf_values: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """Uninitialised buffers, one per tensor of ``leaf_values``, that hold a chunk of
+        :meth:`gather_leaf_chunks` of every :attr:`~FamilyBucket.leaf_gather` bucket:
+        one scratch for all the buckets of a call. A scratch per bucket is freed after
+        its bucket, glibc hands the top of the heap back, and the next bucket's scratch
+        faults its pages in again (ragged families at N = 262,144: 34 buckets, about
+        140,000 page faults per forward)."""
+        rows = max([self._leaf_chunk_families(b, leaf_values) * b.size
+                    for b in self.buckets if b.leaf_gather is not None], default=0)
+        return tuple(t.new_empty((rows, *t.shape[1:])) for t in leaf_values)
+
+    def gather_leaf_chunks(self, bucket: FamilyBucket, leaf_values: Sequence[Tensor],
+                           scratch: Optional[Sequence[Tensor]] = None
                            ) -> Iterator[Tuple[int, int, Tuple[Tensor, ...]]]:
         """The members of a :attr:`~FamilyBucket.leaf_gather` bucket, a few families at
         a time: ``(lo, hi, members)`` with ``members[t]`` ``[hi - lo, b, ...]`` the
@@ -1172,7 +1191,9 @@ class TreeStructure:
         next is taken; autograd must record nothing). Where a whole bucket's copy is a
         fresh mapping whose pages fault in at every call (ragged families at
         N = 262,144: hundreds of MiB per operand), the chunks are heap memory reused
-        chunk after chunk and still in cache when their consumer reads them."""
+        chunk after chunk and still in cache when their consumer reads them.
+        ``scratch``: the buffers to gather into (:meth:`new_leaf_chunk_scratch`, shared
+        by the buckets of a call) instead of new ones for this bucket."""
         if bucket.leaf_gather is None:
             raise ValueError("gather_leaf_chunks reads buckets of leaves by index "
                              "(FamilyBucket.leaf_gather); this bucket has none")
@@ -1180,8 +1201,16 @@ class TreeStructure:
             raise ValueError("gather_leaf_chunks reuses its scratch: it cannot run "
                              "where autograd records")
         f, b = bucket.num_families, bucket.size
-        step = min(f, max(1, min(_rows_per_chunk(t[:1]) for t in leaf_values) // b))
-        scratch = [t.new_empty((step * b, *t.shape[1:])) for t in leaf_values]
+        step = self._leaf_chunk_families(bucket, leaf_values)
+        if scratch is None:
+            scratch = [t.new_empty((step * b, *t.shape[1:])) for t in leaf_values]
+        elif len(scratch) != len(leaf_values) or any(
+                rows.shape[0] < step * b or rows.shape[1:] != t.shape[1:]
+                or rows.dtype != t.dtype or rows.device != t.device
+                for rows, t in zip(scratch, leaf_values)):
+            raise ValueError("gather_leaf_chunks: scratch must hold, per tensor of "
+                             f"leaf_values, {step * b} rows of its row shape, dtype and "
+                             "device (see new_leaf_chunk_scratch)")
         for lo in range(0, f, step):
             hi = min(lo + step, f)
             index = bucket.leaf_gather[lo * b:hi * b]

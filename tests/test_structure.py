@@ -885,6 +885,17 @@ def test_gather_leaf_chunks_match_gather_bucket(monkeypatch):
         for t, w in enumerate(whole):
             got = torch.cat([parts[t] for _, _, parts in chunks])
             assert torch.equal(got, w)
+    # into the buffers of new_leaf_chunk_scratch, shared by the buckets of a call
+    scratch = s.new_leaf_chunk_scratch(values)
+    chunks = [(lo, hi, [(part.data_ptr(), part.clone()) for part in parts])
+              for lo, hi, parts in s.gather_leaf_chunks(bucket, values, scratch)]
+    for t, w in enumerate(whole):
+        assert torch.equal(torch.cat([parts[t][1] for _, _, parts in chunks]), w)
+        assert {parts[t][0] for _, _, parts in chunks} == {scratch[t].data_ptr()}
+    for bad in (scratch[:1], (scratch[0][:4], scratch[1]), (scratch[0].half(), scratch[1]),
+                (scratch[0], scratch[1][:, :2])):
+        with pytest.raises(ValueError, match="scratch must hold"):
+            next(s.gather_leaf_chunks(bucket, values, bad))
     slots = s.leaf_rows_of_slots(index)
     expected = [s.num_leaves] * (bucket.num_families * bucket.size)
     for slot, src in zip(bucket.leaf_slot.tolist(), bucket.leaf_src.tolist()):

@@ -207,13 +207,14 @@ class _LeafGatherFamilies(torch.autograd.Function):
         ctx.st, ctx.indices, ctx.include_self = st, indices, include_self
         ctx.scale, ctx.num_sums = scale, num_sums
         results: List[Tensor] = []
+        scratch = st.new_leaf_chunk_scratch((q, k, v))
         for index in indices:
             bucket = st.buckets[index]
             f, b = bucket.num_families, bucket.size
             rows = v.new_empty((f * b, *v.shape[1:]))          # token-major slot rows
             results += [rows.view(f, b, *v.shape[1:]).transpose(1, 2),
                         _leaf_bucket_into_rows(st, index, (q, k, v), include_self, scale,
-                                               rows, slot_order=True)]
+                                               rows, slot_order=True, scratch=scratch)]
         ctx.save_for_backward(q, k, v, *results)
         return (*results, *(st.to_internal(t) for t in (q, k, v)[:num_sums]))
 
@@ -238,6 +239,7 @@ class _LeafGatherFamilies(torch.autograd.Function):
         # one extra row takes the padding slots' gradients (leaf_rows_of_slots)
         d_inputs = [t.new_zeros((n + 1, *t.shape[1:])) if need else None
                     for t, need in zip((q, k, v), needs)]
+        scratch = st.new_leaf_chunk_scratch((q, k, v))
         for j, index in enumerate(indices):
             out, lse = results[2 * j], results[2 * j + 1]
             d_out, d_lse = d_results[2 * j], d_results[2 * j + 1]
@@ -247,7 +249,7 @@ class _LeafGatherFamilies(torch.autograd.Function):
             b = bucket.size
             bias = _bucket_bias(bucket, ctx.include_self, q.dtype)
             dest = st.leaf_rows_of_slots(index)
-            for lo, hi, members in st.gather_leaf_chunks(bucket, (q, k, v)):
+            for lo, hi, members in st.gather_leaf_chunks(bucket, (q, k, v), scratch):
                 part = slice(lo, hi)
                 chunk = _family_attention_grads(
                     *(t.transpose(1, 2) for t in members),
@@ -636,18 +638,21 @@ def _internal_operands(means: Tuple, pos_internal: Optional[Tensor], scale: floa
 
 def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor, ...],
                            include_self: bool, scale: float, rows_out: Tensor,
-                           slot_order: bool = False) -> Tensor:
+                           slot_order: bool = False,
+                           scratch: Optional[Tuple[Tensor, ...]] = None) -> Tensor:
     """The family softmax of bucket ``index`` (leaves only, read by index), a chunk of
     families at a time (:meth:`~hsa_graph.structure.TreeStructure.gather_leaf_chunks`),
     each chunk's output rows copied into ``rows_out`` (``[N + 1, H, Dv]``, padding slots
     into its spare row; with ``slot_order``, ``[F * b, H, Dv]`` rows in slot order)
-    while they are in cache. Returns the log-sum-exp ``[F, H, b]``. No autograd."""
+    while they are in cache; ``scratch``: the chunks' buffers, shared by the buckets of
+    a call (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_chunk_scratch`).
+    Returns the log-sum-exp ``[F, H, b]``. No autograd."""
     bucket = st.buckets[index]
     f, b = bucket.num_families, bucket.size
     bias = _bucket_bias(bucket, include_self, operands[0].dtype)
     dest = None if slot_order else st.leaf_rows_of_slots(index)
     lse = operands[0].new_empty((f, operands[0].shape[1], b))
-    for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands):
+    for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands, scratch):
         out, lse[lo:hi] = _family_attention_forward(
             cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2),
             None if bias is None else bias[lo:hi], scale)
@@ -732,6 +737,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
               and fv_leaf.shape[-1] == v.shape[-1])
     streamed = {i for i, b in enumerate(st.buckets)
                 if direct and b.leaf_gather is not None and i not in first}
+    scratch = (st.new_leaf_chunk_scratch((fq_leaf, fk_leaf, fv_leaf)) if streamed
+               else None)
     members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse,
                                       skip=streamed | set(gathered))
                     for leaf, internal in operands))
@@ -743,7 +750,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         elif index in streamed:
             out, lse = None, _leaf_bucket_into_rows(
                 st, index, (fq_leaf, fk_leaf, fv_leaf), include_self, fscale,
-                leaf_rows_out)
+                leaf_rows_out, scratch=scratch)
         elif bucket.leaf_block is not None:  # (leaves, internal members) per operand
             windows = None
             width = _flash_key_width(bucket.leaf_block[1])
