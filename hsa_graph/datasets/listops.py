@@ -516,7 +516,7 @@ def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
     its token and ``]`` to the lengths of its :math:`k \sim U\{2..A\}` arguments:
 
     .. math::
-        P_d = (1 - p)\, \delta_1 + rac{p}{A - 1} \sum_{k=2}^{A} \delta_2 * P_{d+1}^{*k},
+        P_d = (1 - p)\, \delta_1 + \frac{p}{A - 1} \sum_{k=2}^{A} \delta_2 * P_{d+1}^{*k},
 
     every distribution truncated at ``max_length`` (lengths only grow, so what lies
     beyond never comes back below it); the result is the mass of :math:`P_1` strictly
