@@ -502,6 +502,27 @@ MAX_EXPECTED_DRAWS = 10**8
 _LENGTH_DISTRIBUTION_CAP = 1 << 12
 
 
+def _checked_settings(max_depth, max_args, operator_prob, min_length, max_length
+                      ) -> Tuple[int, int, float, int, int]:
+    """The generator's settings, checked (ValueError naming the setting) and as plain
+    ``int`` / ``float``."""
+    max_depth = _check_int("max_depth", max_depth, 1)
+    max_args = _check_int("max_args", max_args, 2)
+    min_length = _check_int("min_length", min_length, 0)
+    max_length = _check_int("max_length", max_length, 2)
+    if isinstance(operator_prob, (bool, np.bool_)) or \
+            not isinstance(operator_prob, (int, float, np.integer, np.floating)) or \
+            not 0.0 < float(operator_prob) <= 1.0:
+        raise ValueError(f"operator_prob must be a number in (0, 1], got {operator_prob!r}")
+    if max_length - min_length < 2:
+        raise ValueError(f"no length lies strictly between min_length={min_length} and "
+                         f"max_length={max_length}")
+    if max_length > MAX_GENERATED_LENGTH + 1:
+        raise ValueError(f"max_length={max_length:,}: generate_listops draws expressions of "
+                         f"at most {MAX_GENERATED_LENGTH:,} tokens")
+    return max_depth, max_args, float(operator_prob), min_length, max_length
+
+
 def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
                           operator_prob: float = 0.25, min_length: int = 500,
                           max_length: int = 2000) -> Optional[float]:
@@ -520,12 +541,17 @@ def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
 
     every distribution truncated at ``max_length`` (lengths only grow, so what lies
     beyond never comes back below it); the result is the mass of :math:`P_1` strictly
-    between the bounds. Settings are not checked: :func:`generate_listops` checks them.
+    between the bounds.
+
+    Raises:
+        ValueError: a setting :func:`generate_listops` refuses (naming it).
 
     Example:
         >>> round(listops_kept_fraction(), 3)   # LRA's settings: about 1 draw in 12
         0.083
     """
+    max_depth, max_args, operator_prob, min_length, max_length = _checked_settings(
+        max_depth, max_args, operator_prob, min_length, max_length)
     max_args = max(2, min(max_args, max_length - 3))   # as generate_listops draws
     cap = min(max_length, _LENGTH_DISTRIBUTION_CAP)
     # a tree with an operator at depth d spans at least 2 d + 1 tokens: from depth
@@ -679,21 +705,9 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
         True
     """
     num_examples = _check_int("num_examples", num_examples, 0)
-    max_depth = _check_int("max_depth", max_depth, 1)
-    max_args = _check_int("max_args", max_args, 2)
-    min_length = _check_int("min_length", min_length, 0)
-    max_length = _check_int("max_length", max_length, 2)
     seed = _check_int("seed", seed, 0)
-    if isinstance(operator_prob, (bool, np.bool_)) or \
-            not isinstance(operator_prob, (int, float, np.integer, np.floating)) or \
-            not 0.0 < float(operator_prob) <= 1.0:
-        raise ValueError(f"operator_prob must be a number in (0, 1], got {operator_prob!r}")
-    if max_length - min_length < 2:
-        raise ValueError(f"no length lies strictly between min_length={min_length} and "
-                         f"max_length={max_length}")
-    if max_length > MAX_GENERATED_LENGTH + 1:
-        raise ValueError(f"max_length={max_length:,}: generate_listops draws expressions of "
-                         f"at most {MAX_GENERATED_LENGTH:,} tokens")
+    max_depth, max_args, operator_prob, min_length, max_length = _checked_settings(
+        max_depth, max_args, operator_prob, min_length, max_length)
     if not _fits_in_memory(num_examples, min_length):
         raise ValueError(f"{num_examples:,} expressions of more than {min_length} tokens "
                          f"cannot fit in this machine's memory")
@@ -703,7 +717,7 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
                          f"longer than {longest} tokens, so none exceeds min_length="
                          f"{min_length}")
     kept = listops_kept_fraction(max_depth=max_depth, max_args=max_args,
-                                 operator_prob=float(operator_prob), min_length=min_length,
+                                 operator_prob=operator_prob, min_length=min_length,
                                  max_length=max_length)
     if kept is not None and num_examples > kept * MAX_EXPECTED_DRAWS:
         rate = (f"about 1 in {float(f'{1 / kept:.3g}'):,.0f}" if kept > 1e-12

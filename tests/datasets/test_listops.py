@@ -206,6 +206,18 @@ def test_kept_fraction_above_the_resolved_lengths():
                                  max_length=10**6) is None      # too long to compute
 
 
+@pytest.mark.parametrize("settings, match", [
+    (dict(max_depth=0), "max_depth"), (dict(max_args=1), "max_args"),
+    (dict(min_length=-1), "min_length"), (dict(max_length=1), "max_length"),
+    (dict(min_length=10, max_length=11), "strictly between"),
+    (dict(operator_prob=0.0), "operator_prob"), (dict(operator_prob=True), "operator_prob"),
+    (dict(max_length=(1 << 24) + 2), "at most"), (dict(max_depth=2.0), "max_depth"),
+])
+def test_kept_fraction_bad_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        listops_kept_fraction(**settings)
+
+
 def test_generator_refuses_rare_windows_at_once():
     for settings in (dict(max_depth=4, max_args=5, min_length=150, max_length=188),
                      dict(min_length=1990, max_length=2000)):
