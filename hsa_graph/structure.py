@@ -1193,7 +1193,7 @@ class TreeStructure:
         N = 262,144: hundreds of MiB per operand), the chunks are heap memory reused
         chunk after chunk and still in cache when their consumer reads them.
         ``scratch``: the buffers to gather into (:meth:`new_leaf_chunk_scratch`, shared
-        by the buckets of a call) instead of new ones for this bucket."""
+        by the buckets of a call); without it, new ones for this call."""
         if bucket.leaf_gather is None:
             raise ValueError("gather_leaf_chunks reads buckets of leaves by index "
                              "(FamilyBucket.leaf_gather); this bucket has none")
@@ -1203,7 +1203,7 @@ class TreeStructure:
         f, b = bucket.num_families, bucket.size
         step = self._leaf_chunk_families(bucket, leaf_values)
         if scratch is None:
-            scratch = [t.new_empty((step * b, *t.shape[1:])) for t in leaf_values]
+            scratch = self.new_leaf_chunk_scratch(leaf_values)
         elif len(scratch) != len(leaf_values) or any(
                 rows.shape[0] < step * b or rows.shape[1:] != t.shape[1:]
                 or rows.dtype != t.dtype or rows.device != t.device

@@ -523,6 +523,14 @@ def _checked_settings(max_depth, max_args, operator_prob, min_length, max_length
     return max_depth, max_args, float(operator_prob), min_length, max_length
 
 
+def _drawn_max_args(max_args: int, max_length: int) -> int:
+    """The most arguments an operator is drawn with: an operator of k arguments spans at
+    least k + 2 tokens, so no kept expression has one of more than ``max_length - 3``,
+    and drawing from 2 .. that bound keeps the distribution of kept expressions (the
+    draws above it were all rejected)."""
+    return max(2, min(max_args, max_length - 3))
+
+
 def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
                           operator_prob: float = 0.25, min_length: int = 500,
                           max_length: int = 2000) -> Optional[float]:
@@ -552,7 +560,7 @@ def listops_kept_fraction(*, max_depth: int = 10, max_args: int = 10,
     """
     max_depth, max_args, operator_prob, min_length, max_length = _checked_settings(
         max_depth, max_args, operator_prob, min_length, max_length)
-    max_args = max(2, min(max_args, max_length - 3))   # as generate_listops draws
+    max_args = _drawn_max_args(max_args, max_length)
     cap = min(max_length, _LENGTH_DISTRIBUTION_CAP)
     # a tree with an operator at depth d spans at least 2 d + 1 tokens: from depth
     # (cap + 1) // 2 on, an operator's tree is never under cap, and its mass drops out
@@ -728,10 +736,7 @@ def generate_listops(num_examples: int, *, max_depth: int = 10, max_args: int = 
             f"and fewer than max_length={max_length} tokens: {num_examples:,} expressions "
             f"would take more than {MAX_EXPECTED_DRAWS:,} draws (widen the length window "
             f"or raise max_depth, max_args or operator_prob)")
-    # an operator of k arguments spans at least k + 2 tokens, so no kept expression has
-    # one of more than max_length - 3: drawing from 2 .. that bound keeps the same
-    # distribution of kept expressions (the draws above it were all rejected)
-    max_args = max(2, min(max_args, max_length - 3))
+    max_args = _drawn_max_args(max_args, max_length)
     operator_ids = _operator_ids(operators)
     seen = _excluded_expressions(exclude)
     rng = np.random.default_rng(seed)
