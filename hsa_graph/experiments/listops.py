@@ -476,7 +476,9 @@ class ListOpsConfig:
             data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`).
         operators: the operators drawn, a subset of ``MAX MIN MED SM`` (all four).
         data_seed: seed of the data (the test split is fixed by it).
-        data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead.
+        data_dir: read ``basic_{train,val,test}.tsv`` (LRA's format) from here instead
+            (the settings above are then unused: the results record the counts read and
+            ``None`` for the generator's settings).
         epochs, batch_size, lr, weight_decay, grad_clip: training (AdamW).
         lr_schedule, min_lr, warmup_steps: the learning rate's schedule over the steps
             (:class:`~hsa_graph.experiments.TrainConfig`; ``"constant"`` by default,
@@ -588,15 +590,42 @@ QUICK = dict(num_train=2000, num_val=200, num_test=500, max_depth=4, max_args=5,
              hidden_channels=64, batch_size=32, lr=2e-3)
 
 
+#: What makes the data when no ``data_dir`` is given (recorded as ``None`` when one is).
+_GENERATOR_SETTINGS = ("max_depth", "max_args", "min_length", "max_length", "operators",
+                       "data_seed")
+
+
+def _split_file(config: ListOpsConfig, split: str) -> Path:
+    return Path(config.data_dir) / f"basic_{split}.tsv"
+
+
 def _load_splits(config: ListOpsConfig) -> Dict[str, List[Tuple[str, int]]]:
     if config.data_dir is not None:
-        root = Path(config.data_dir)
-        return {split: read_listops_tsv(root / f"basic_{split}.tsv")
+        return {split: read_listops_tsv(_split_file(config, split))
                 for split in ("train", "val", "test")}
     return generate_listops_splits(
         config.num_train, config.num_val, config.num_test, seed=config.data_seed,
         max_depth=config.max_depth, max_args=config.max_args, min_length=config.min_length,
         max_length=config.max_length, operators=tuple(config.operators))
+
+
+def _file_examples(path: Union[str, os.PathLike], rows: Sequence[Tuple[str, int]],
+                   structure: str, nested_targets: bool = False) -> List[Any]:
+    """:func:`build_examples` of the rows read from ``path``; an error names the line of
+    the file (read again with ``check=True``, only when building failed), where
+    :func:`build_examples` alone can only count rows."""
+    try:
+        return build_examples(rows, structure, where=str(path), nested_targets=nested_targets)
+    except ValueError:
+        read_listops_tsv(path, check=True)
+        raise
+
+
+def _split_examples(config: ListOpsConfig, split: str, rows: Sequence[Tuple[str, int]],
+                    structure: str, nested_targets: bool) -> List[Any]:
+    if config.data_dir is None:
+        return build_examples(rows, structure, where=split, nested_targets=nested_targets)
+    return _file_examples(_split_file(config, split), rows, structure, nested_targets)
 
 
 # ------------------------------------------------------------------ measurement
@@ -746,9 +775,9 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
             t0 = time.perf_counter()
             # with node_loss the nested values train and are reported on the test split;
             # validation selects on the root label alone
-            built[structure] = {s: build_examples(
-                rows, structure, where=s, nested_targets=bool(config.node_loss) and
-                s != "val") for s, rows in splits.items()}
+            built[structure] = {s: _split_examples(
+                config, s, rows, structure, bool(config.node_loss) and s != "val")
+                for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
         for seed in range(config.seeds):
@@ -814,9 +843,13 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                            if config.node_loss else {})})
     from .report import markdown_table
 
+    recorded = asdict(config)
+    if config.data_dir is not None:  # the files made the data, not these settings
+        recorded.update({name: None for name in _GENERATOR_SETTINGS}, num_train=data["train"],
+                        num_val=data["val"], num_test=data["test"])
     out = {"task": "listops", "title": "ListOps (regenerated LRA data): HSA on the parse tree "
            "vs hopping windows vs FSA vs H-Transformer-1D vs DeepSet",
-           "command": config.command, "config": asdict(config), "data": data,
+           "command": config.command, "config": recorded, "data": data,
            "runs": runs, "summary": summary,
            "markdown": markdown_table(summary) if summary else "(no run)",
            "seconds": time.perf_counter() - start}
@@ -921,8 +954,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
     rows = read_listops_tsv(data)
     if not rows:
         raise ValueError(f"{data} holds no examples")
-    examples = build_examples(rows, VARIANTS[variant][0], where=str(data),
-                              nested_targets=nested)
+    examples = _file_examples(data, rows, VARIANTS[variant][0], nested_targets=nested)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device,
                        predictions=True)
     breakdown = accuracy_breakdown(metrics.pop("predictions"), rows)

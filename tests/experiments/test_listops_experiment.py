@@ -175,6 +175,65 @@ def test_evaluate_checkpoint_reads_each_example_once(tiny_run, tmp_path, monkeyp
     assert "predictions" not in metrics
 
 
+def _write_splits(root, splits):
+    root.mkdir()
+    for name, rows in splits.items():
+        write_listops_tsv(root / f"basic_{name}.tsv", rows)
+    return root
+
+
+def test_a_run_on_files_records_what_it_read(tmp_path):
+    """With ``data_dir`` the files make the data: the results give their counts, and
+    no generator setting that did not make them."""
+    rows = generate_listops(30, seed=3, max_depth=3, max_args=3, min_length=4,
+                            max_length=20)
+    root = _write_splits(tmp_path / "data", {"train": rows[:20], "val": rows[20:23],
+                                             "test": rows[23:]})
+    settings = {**TINY, "seeds": 1, "epochs": 1}
+    result = run_listops(ListOpsConfig(variants=("deepset",), data_dir=str(root),
+                                       output_dir=str(tmp_path / "out"), **settings))
+    cfg = result["config"]
+    assert (cfg["num_train"], cfg["num_val"], cfg["num_test"]) == (20, 3, 7)
+    assert all(cfg[name] is None for name in (
+        "max_depth", "max_args", "min_length", "max_length", "operators", "data_seed"))
+    assert cfg["data_dir"] == str(root)
+    saved = json.loads((tmp_path / "out" / "listops.json").read_text())
+    assert {k: saved["config"][k] for k in ("num_train", "max_depth")} == {
+        "num_train": 20, "max_depth": None}
+    assert saved["data"]["train"] == 20
+    generated = run_listops(ListOpsConfig(variants=("deepset",), **settings))["config"]
+    assert generated["num_train"] == 48 and generated["max_depth"] == 3
+
+
+def _with_a_bad_line(path, bad_row):
+    """The file with blank lines before a bad last row, so that its line (not its row
+    number) names it."""
+    lines = path.read_text().splitlines()
+    text = "\n".join(lines[:2] + ["", "   ", ""] + lines[2:] + ["\t".join(bad_row)]) + "\n"
+    path.write_text(text)
+    return len(lines) + 4
+
+
+@pytest.mark.parametrize("bad_row, match", [
+    (("[MAX 1 2 ]", "1"), "the label is 1 but the expression's value is 2"),
+    (("[MAX 1 2", "2"), "at token 0 is never closed"),
+])
+def test_a_bad_expression_in_a_file_is_named_by_its_line(tiny_run, tmp_path, bad_row,
+                                                          match):
+    out, result = tiny_run
+    rows = generate_listops(12, seed=4, max_depth=3, max_args=3, min_length=4,
+                            max_length=20)
+    root = _write_splits(tmp_path / "data", {"train": rows[:6], "val": rows[6:9],
+                                             "test": rows[9:]})
+    line = _with_a_bad_line(root / "basic_train.tsv", bad_row)
+    settings = {**TINY, "seeds": 1, "epochs": 1}
+    with pytest.raises(ValueError, match=f"basic_train.tsv, line {line}: .*{match}"):
+        run_listops(ListOpsConfig(variants=("deepset",), data_dir=str(root), **settings))
+    line = _with_a_bad_line(root / "basic_test.tsv", bad_row)
+    with pytest.raises(ValueError, match=f"basic_test.tsv, line {line}: .*{match}"):
+        evaluate_checkpoint(result["runs"][0]["checkpoint"], str(root / "basic_test.tsv"))
+
+
 def test_accuracy_breakdown_needs_one_prediction_per_row():
     from hsa_graph.experiments.listops import accuracy_breakdown
 
@@ -235,7 +294,8 @@ def test_cli_evaluate(tiny_run, tmp_path, capsys):
     bad.write_text("Source\tTarget\n[MAX 1 2\t2\n")
     assert main(["listops", "evaluate", "--checkpoint", run["checkpoint"],
                  "--data", str(bad)]) == 1
-    assert "example 0: operator [MAX at token 0 is never closed" in capsys.readouterr().err
+    assert "bad.tsv, line 2: operator [MAX at token 0 is never closed" in (
+        capsys.readouterr().err)
 
 
 def test_cli_generate(tmp_path):
