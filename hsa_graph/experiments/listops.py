@@ -862,20 +862,39 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
 
 def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[str, Any]]:
     """Time ``steps`` training steps (forward, backward, AdamW) per variant on data of
-    ``config``'s settings and extrapolate to one epoch of ``config.num_train`` examples;
+    ``config``'s settings and extrapolate to one epoch of ``config.num_train`` examples
+    (with ``data_dir``: the first rows of its training file, and one epoch of that file);
     also the peak memory of those steps (with ``node_loss``, of the training wrapper).
-    For budgeting the full run."""
+    For budgeting the full run.
+
+    Raises:
+        ValueError: a ``data_dir`` training file with fewer rows than one batch.
+    """
     from torch_geometric.data import Batch
 
     config.validate()
-    rows = generate_listops_splits(config.batch_size * steps, 0, 0, seed=config.data_seed,
-                                   max_depth=config.max_depth, max_args=config.max_args,
-                                   min_length=config.min_length,
-                                   max_length=config.max_length)["train"]
+    if config.data_dir is not None:
+        path = _split_file(config, "train")
+        train = read_listops_tsv(path)
+        steps = min(steps, len(train) // config.batch_size)
+        if steps == 0:
+            raise ValueError(f"{path}: {len(train)} rows, fewer than one batch "
+                             f"({config.batch_size}) to time")
+        rows, num_train = train[:config.batch_size * steps], len(train)
+    else:
+        path, num_train = None, config.num_train
+        rows = generate_listops_splits(config.batch_size * steps, 0, 0,
+                                       seed=config.data_seed, max_depth=config.max_depth,
+                                       max_args=config.max_args,
+                                       min_length=config.min_length,
+                                       max_length=config.max_length,
+                                       operators=tuple(config.operators))["train"]
     out = []
     for variant in config.variants:
-        examples = build_examples(rows, VARIANTS[variant][0],
-                                  nested_targets=bool(config.node_loss))
+        nested = bool(config.node_loss)
+        examples = (build_examples(rows, VARIANTS[variant][0], nested_targets=nested)
+                    if path is None else
+                    _file_examples(path, rows, VARIANTS[variant][0], nested_targets=nested))
         torch.manual_seed(0)
         try:
             model = build_model(variant, **config.model_spec()).to(config.device)
@@ -897,7 +916,7 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
                 optimizer.step()
             seconds = (time.perf_counter() - t0) / steps
         out.append({"model": variant, "seconds_per_step": seconds,
-                    "seconds_per_epoch": seconds * config.num_train / config.batch_size,
+                    "seconds_per_epoch": seconds * num_train / config.batch_size,
                     "peak_memory_mib": memory.mib,
                     "parameters": sum(p.numel() for p in model.parameters())})
     return out

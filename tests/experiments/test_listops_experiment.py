@@ -205,6 +205,42 @@ def test_a_run_on_files_records_what_it_read(tmp_path):
     assert generated["num_train"] == 48 and generated["max_depth"] == 3
 
 
+def test_the_estimate_extrapolates_timed_steps_to_an_epoch(tmp_path, monkeypatch):
+    import hsa_graph.experiments.listops as listops
+
+    settings = dict(TINY, num_train=480, batch_size=8, operators=("MAX", "SM"))
+    drawn = []
+    generate = listops.generate_listops_splits
+
+    def recording(*args, **kwargs):
+        drawn.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(listops, "generate_listops_splits", recording)
+    rows = listops.estimate_epoch_seconds(
+        ListOpsConfig(variants=("hsa-tree", "deepset"), **settings))
+    assert [r["model"] for r in rows] == ["hsa-tree", "deepset"]
+    for r in rows:
+        assert r["seconds_per_step"] > 0 and r["peak_memory_mib"] >= 0
+        assert r["seconds_per_epoch"] == pytest.approx(r["seconds_per_step"] * 480 / 8)
+    assert drawn[0]["operators"] == ("MAX", "SM")     # the settings reach the data drawn
+
+    # on files: the training file's rows are timed and its count makes the epoch; nothing
+    # is generated
+    drawn.clear()
+    train = generate_listops(20, seed=5, max_depth=3, max_args=3, min_length=4,
+                             max_length=20)
+    root = _write_splits(tmp_path / "data", {"train": train, "val": train[:2],
+                                             "test": train[:2]})
+    rows = listops.estimate_epoch_seconds(ListOpsConfig(variants=("deepset",),
+                                                        data_dir=str(root), **settings))
+    assert drawn == []
+    assert rows[0]["seconds_per_epoch"] == pytest.approx(rows[0]["seconds_per_step"] * 20 / 8)
+    with pytest.raises(ValueError, match="basic_train.tsv: 20 rows, fewer than one batch"):
+        listops.estimate_epoch_seconds(ListOpsConfig(
+            variants=("deepset",), data_dir=str(root), **{**settings, "batch_size": 32}))
+
+
 def _with_a_bad_line(path, bad_row):
     """The file with blank lines before a bad last row, so that its line (not its row
     number) names it."""
