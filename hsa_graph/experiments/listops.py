@@ -882,7 +882,7 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
                              f"({config.batch_size}) to time")
         rows, num_train = train[:config.batch_size * steps], len(train)
     else:
-        path, num_train = None, config.num_train
+        num_train = config.num_train
         rows = generate_listops_splits(config.batch_size * steps, 0, 0,
                                        seed=config.data_seed, max_depth=config.max_depth,
                                        max_args=config.max_args,
@@ -891,10 +891,8 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
                                        operators=tuple(config.operators))["train"]
     out = []
     for variant in config.variants:
-        nested = bool(config.node_loss)
-        examples = (build_examples(rows, VARIANTS[variant][0], nested_targets=nested)
-                    if path is None else
-                    _file_examples(path, rows, VARIANTS[variant][0], nested_targets=nested))
+        examples = _split_examples(config, "train", rows, VARIANTS[variant][0],
+                                   bool(config.node_loss))
         torch.manual_seed(0)
         try:
             model = build_model(variant, **config.model_spec()).to(config.device)
