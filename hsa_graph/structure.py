@@ -32,8 +32,8 @@ from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequenc
 import torch
 from torch import Tensor
 
-__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "FamilyBucket", "FamilyIndex", "FlatTrees",
-           "Groups", "SharedSourceGather", "TreeStructure"]
+__all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "ChildGroup", "ChildLevel", "FamilyBucket",
+           "FamilyIndex", "FlatTrees", "Groups", "SharedSourceGather", "TreeStructure"]
 
 
 def records_grad(*tensors: Optional[Tensor]) -> bool:
@@ -403,6 +403,52 @@ class CausalPlan:
 
 
 @dataclass(frozen=True)
+class ChildGroup:
+    """Internal nodes of one depth whose children fill at most ``width`` slots (see
+    :attr:`TreeStructure.child_levels`). Each node's children sit in its row in the order
+    of their unified index: leaves first, in leaf order, then internal children in row
+    order; the remaining slots are padding.
+
+    Attributes:
+        width: slots per node, a power of two (padding wastes under half of a group).
+        nodes: ``[F]`` the nodes, as offsets among the internal rows of their depth.
+        from_leaf: ``[F, width]`` whether a slot holds a leaf.
+        leaf_index: ``[F, width]`` the leaf row of a leaf child (0 on other slots).
+        internal_index: ``[F, width]`` the offset of an internal child among the internal
+            rows one depth below; on other slots the count of those rows (a null row
+            appended to them).
+        padding: ``[F, width]`` True on padding slots.
+    """
+
+    width: int
+    nodes: Tensor
+    from_leaf: Tensor
+    leaf_index: Tensor
+    internal_index: Tensor
+    padding: Tensor
+
+
+@dataclass(frozen=True)
+class ChildLevel:
+    """The internal nodes of one depth and their children, for passes that go up a
+    forest one depth at a time reading whole families (see
+    :attr:`TreeStructure.child_levels`).
+
+    Attributes:
+        depth: the depth of the nodes.
+        rows: ``(start, stop)``: the nodes are the internal rows ``start .. stop - 1``.
+        groups: the nodes grouped by the padded number of their children.
+        order: ``[stop - start]`` the row of each node in the concatenation of the
+            groups' rows (so per-group results become node order with one gather).
+    """
+
+    depth: int
+    rows: Tuple[int, int]
+    groups: Tuple[ChildGroup, ...]
+    order: Tensor
+
+
+@dataclass(frozen=True)
 class TreeStructure:
     r"""Levels, families, leaf counts and sibling slots of a forest.
 
@@ -673,6 +719,13 @@ class TreeStructure:
         rows = torch.arange(n, device=self.leaf_tree.device)
         first = self.leaf_tree.new_full((self.num_trees,), n)
         return first.scatter_reduce_(0, self.leaf_tree, rows, "amin")
+
+    @_lazy_field
+    def child_levels(self) -> Tuple[ChildLevel, ...]:
+        """Every depth's internal nodes with their children (:class:`ChildLevel`), the
+        deepest first: a recursive pass reads the leaves and the depth below to compute a
+        depth. Built once per structure with one device read (the group sizes)."""
+        return _child_levels(self)
 
     @_lazy_field
     def bucket_depths(self) -> List[Tuple[int, ...]]:
@@ -1422,6 +1475,49 @@ def _depth_by_pointer_jumping(parent: Tensor) -> Tensor:
             f"lead to a root)")
     return depth
 
+
+
+def _child_levels(st: TreeStructure) -> Tuple[ChildLevel, ...]:
+    n, i, dev = st.num_leaves, st.num_internal, st.device
+    if i == 0:
+        return ()
+    parent_row = torch.cat([st.leaf_parent, st.internal_parent])    # by unified id
+    # children of every internal row, contiguous and in unified order (a stable sort)
+    children = torch.sort(parent_row, stable=True).indices
+    count = torch.bincount(parent_row, minlength=i + 1)[:i]
+    start = count.cumsum(0) - count
+    width = torch.pow(2, torch.ceil(torch.log2(count.double()))).long()
+    depth = st.depth[n:]
+    # nodes sorted by (depth, width): every group is one slice
+    key = depth * (int(width.max()) + 1) + width
+    by_key = torch.sort(key, stable=True).indices
+    keys, sizes = torch.unique_consecutive(key[by_key], return_counts=True)
+    max_width = int(width.max()) + 1
+    groups: Dict[int, List[ChildGroup]] = {}
+    lo = 0
+    for k, size in zip(keys.tolist(), sizes.tolist()):
+        d, w = divmod(k, max_width)
+        rows = by_key[lo:lo + size]
+        lo += size
+        slot = torch.arange(w, device=dev)
+        padding = slot >= count[rows, None]
+        member = children[(start[rows, None] + slot).clamp_max(children.numel() - 1)]
+        from_leaf = (member < n) & ~padding
+        below, stop = st.level_ptr[d + 1], st.level_ptr[d + 2]
+        internal = (member >= n) & ~padding
+        groups.setdefault(d, []).append(ChildGroup(
+            width=w, nodes=rows - st.level_ptr[d], from_leaf=from_leaf,
+            leaf_index=torch.where(from_leaf, member, 0),
+            internal_index=torch.where(internal, member - n - below, stop - below),
+            padding=padding))
+    levels = []
+    for d in sorted(groups, reverse=True):
+        nodes = torch.cat([g.nodes for g in groups[d]])
+        order = torch.empty_like(nodes)
+        order[nodes] = torch.arange(nodes.numel(), device=dev)
+        levels.append(ChildLevel(depth=d, rows=(st.level_ptr[d], st.level_ptr[d + 1]),
+                                 groups=tuple(groups[d]), order=order))
+    return tuple(levels)
 
 def _padded_size(x: Tensor) -> Tensor:
     """Round family sizes up to ``c * 2^e`` with ``8 <= c < 16`` (exact up to 16)."""

@@ -913,3 +913,88 @@ def test_gather_leaf_chunks_match_gather_bucket(monkeypatch):
                                   skip={index}))
     assert parts[index] is None and all(p is not None for i, p in enumerate(parts)
                                         if i != index)
+
+
+# ----------------------------------------------------------------------------------------
+# child_levels: every internal node with its children, one depth at a time
+# ----------------------------------------------------------------------------------------
+
+
+def check_child_levels(parent: list[int]) -> None:
+    """child_levels against the brute-force children: every internal node once, at its
+    depth, its children in unified order (leaves by original index, then internal
+    children in row order), each slot naming the right leaf row or the right row one
+    depth below, padding under half of every group."""
+    brute = Brute(parent)
+    s = TreeStructure.from_parent(torch.tensor(parent))
+    n = s.num_leaves
+    row_of = {int(u): r for r, u in enumerate(s.node_of_unified[n:].tolist())}
+    unified_of = s.unified_of_node.tolist()
+    seen = []
+    depths = [level.depth for level in s.child_levels]
+    assert depths == sorted(set(brute.depth[u] for u in brute.internal), reverse=True)
+    for level in s.child_levels:
+        lo, hi = level.rows
+        assert (lo, hi) == (s.level_ptr[level.depth], s.level_ptr[level.depth + 1])
+        below = s.level_ptr[level.depth + 1]
+        width_below = s.level_ptr[level.depth + 2] - below
+        concatenated = torch.cat([g.nodes for g in level.groups])
+        assert sorted(concatenated.tolist()) == list(range(hi - lo))
+        assert torch.equal(concatenated[level.order], torch.arange(hi - lo))
+        for g in level.groups:
+            assert g.width & (g.width - 1) == 0
+            for f, node_offset in enumerate(g.nodes.tolist()):
+                node = int(s.node_of_unified[n + lo + node_offset])
+                assert brute.depth[node] == level.depth
+                kids = sorted(brute.children[node], key=lambda c: unified_of[c])
+                assert len(kids) <= g.width < 2 * len(kids) or g.width == len(kids) == 1
+                got = []
+                for slot in range(g.width):
+                    if g.padding[f, slot]:
+                        assert not g.from_leaf[f, slot]
+                        assert g.internal_index[f, slot] == width_below
+                        continue
+                    if g.from_leaf[f, slot]:
+                        got.append(brute.leaves[int(g.leaf_index[f, slot])])
+                        assert g.internal_index[f, slot] == width_below
+                    else:
+                        offset = int(g.internal_index[f, slot])
+                        assert 0 <= offset < width_below
+                        got.append(int(s.node_of_unified[n + below + offset]))
+                assert got == kids
+                assert not bool(g.padding[f, :len(kids)].any())
+                seen.append(row_of[node])
+    assert sorted(seen) == list(range(s.num_internal))
+
+
+@pytest.mark.parametrize("parent", [
+    [-1],                                   # one leaf: no internal node
+    [-1, 0],                                # a root over one leaf (a lone ListOps digit)
+    [-1, 0, 0, 1, 1, 1, -1, 6, 6, -1],      # a forest with a leaf root
+    [-1, 0, 1, 2, 3, 3],                    # a chain of only children
+    [-1] + [0] * 37 + [1, 1, 2],            # a wide family beside narrow ones
+])
+def test_child_levels_hand_made(parent):
+    check_child_levels(parent)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests())
+def test_child_levels_random_forests(parent):
+    check_child_levels(parent)
+
+
+def test_child_levels_of_a_batch_of_parse_trees():
+    from hsa_graph.datasets.listops import listops_tree
+
+    trees = [listops_tree(e) for e in ("[MAX 2 [SM 1 1 ] 9 [MIN 4 7 ] 0 ]", "7",
+                                       "[SM [MAX [MIN 1 2 ] 3 ] 4 ]")]
+    s = Batch.from_data_list(trees).structure
+    # the operator token is each family's first slot (its first leaf)
+    tokens = Batch.from_data_list(trees).x
+    for level in s.child_levels:
+        for g in level.groups:
+            first = tokens[g.leaf_index[:, 0]]
+            assert bool(g.from_leaf[:, 0].all())
+            assert bool(((first >= 10) | (g.width == 1)).all())
+    check_child_levels(Batch.from_data_list(trees).parent.tolist())

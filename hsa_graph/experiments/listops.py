@@ -23,7 +23,12 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
 * ``deepset``: no attention (the bag of tokens);
 * ``h-transformer-1d``: the peer model of the ``bench`` extra (``pip install
   h-transformer-1d``) at the same width, depth and heads, mean-pooled into the same MLP
-  (its parameter count differs and is reported).
+  (its parameter count differs and is reported);
+* ``tree-recursive``: not HSA but the recursive model HSA is measured against
+  (:class:`RecursiveListOpsClassifier`, :class:`~hsa_graph.nn.RecursiveTreeEncoder`):
+  each operator's vector computed from its operator token and its arguments' vectors,
+  deepest operators first, ``layers`` pre-norm blocks shared by every node (its
+  parameter count differs and is reported).
 
 ``nesting_embedding`` adds to every token's embedding a learned one of its nesting depth
 (the number of operators open around it), for any variant but the peer: how much of
@@ -104,6 +109,7 @@ from ..datasets.listops import (
 )
 from ..nn.classifier import TreeClassifier
 from ..nn.encoder import LAYERS
+from ..nn.recursive import RecursiveTreeEncoder
 from ..signal import _is_int
 from .train import (
     LR_SCHEDULES,
@@ -122,6 +128,7 @@ __all__ = [
     "ListOpsClassifier",
     "ListOpsConfig",
     "QUICK",
+    "RecursiveListOpsClassifier",
     "VARIANTS",
     "HTransformerClassifier",
     "MAX_NESTING",
@@ -146,6 +153,7 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
     "h-transformer-1d": ("windows", "h-transformer-1d"),
+    "tree-recursive": ("parse", "recursive"),
 }
 NUM_CLASSES = 10
 #: the deepest nesting :class:`ListOpsClassifier`'s ``nesting_embedding`` tells apart
@@ -358,6 +366,46 @@ class HTransformerClassifier(Module):
         return self.mlp(pooled)
 
 
+class RecursiveListOpsClassifier(Module):
+    r"""Token embedding, then :class:`~hsa_graph.nn.RecursiveTreeEncoder` up the parse
+    tree (each operator's vector from its operator token and its arguments' vectors,
+    deepest operators first, the same blocks at every node), the root's vector, an MLP.
+
+    Not HSA: the recursive model HSA is measured against where the answer composes
+    along the tree. Of :class:`ListOpsClassifier`'s settings it takes ``channels``,
+    ``heads``, ``layers`` (blocks per family), ``hidden_channels`` (the blocks'
+    feed-forward width and the MLP's) and ``dropout``; its blocks are pre-norm and a
+    family has no positions, so ``layer`` and ``pos_dim`` do not apply.
+
+    Shapes:
+        - **input:** a batch of parse trees (:func:`build_examples` ``"parse"``) with
+          ``x`` ``[N]`` token ids.
+        - **output:** logits ``[num_trees, 10]``.
+    """
+
+    def __init__(self, *, channels: int = 64, heads: int = 4, layers: int = 2,
+                 hidden_channels: int = 128, dropout: float = 0.0):
+        super().__init__()
+        self.embedding = Embedding(len(VOCAB), channels)
+        self.encoder = RecursiveTreeEncoder(channels, heads, layers, hidden_channels, dropout)
+        self.mlp = Sequential(Linear(channels, hidden_channels), activation_resolver("gelu"),
+                              Dropout(dropout), Linear(hidden_channels, NUM_CLASSES))
+
+    def forward(self, batch) -> Tensor:
+        """Logits ``[num_trees, 10]``."""
+        x = batch.x
+        if not isinstance(x, Tensor) or x.dtype != torch.long or x.dim() != 1:
+            raise TypeError("RecursiveListOpsClassifier needs trees whose x holds token ids "
+                            "[N] (long)")
+        return self.mlp(self.encoder.roots(self.embedding(x), batch))
+
+
+#: settings of :class:`ListOpsClassifier` that change what it computes and that the
+#: recursive model has no counterpart for: value -> what it would silently ignore
+_NOT_RECURSIVE = {"share_weights": True, "include_self": True, "nesting_embedding": True,
+                  "pool": "first"}
+
+
 def build_model(variant: str, **spec: Any) -> Module:
     """The model of ``variant`` (:data:`VARIANTS`) with the settings ``spec``
     (``channels``, ``heads``, ``layers``, ``layer``, ``share_weights``, ``hidden_channels``,
@@ -369,6 +417,13 @@ def build_model(variant: str, **spec: Any) -> Module:
     attention = VARIANTS[variant][1]
     if attention == "h-transformer-1d":
         return HTransformerClassifier(**spec)
+    if attention == "recursive":
+        refused = [k for k, v in _NOT_RECURSIVE.items() if spec.get(k) == v]
+        if refused:
+            raise ValueError(f"the {variant} variant has no counterpart of " + ", ".join(
+                f"{k}={spec[k]!r}" for k in refused))
+        return RecursiveListOpsClassifier(**{k: spec[k] for k in (
+            "channels", "heads", "layers", "hidden_channels", "dropout") if k in spec})
     spec = {k: v for k, v in spec.items() if k != "max_length"}
     return ListOpsClassifier(attention, **spec)
 
@@ -558,6 +613,13 @@ class ListOpsConfig:
         if self.node_loss and "h-transformer-1d" in self.variants:
             raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
                              "the h-transformer-1d variant does not support it")
+        if self.node_loss and "tree-recursive" in self.variants:
+            raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
+                             "the tree-recursive variant has none")
+        for name, value in _NOT_RECURSIVE.items():
+            if getattr(self, name) == value and "tree-recursive" in self.variants:
+                raise ValueError(f"the tree-recursive variant has no counterpart of "
+                                 f"{name}={value!r}")
         if self.nesting_embedding and "h-transformer-1d" in self.variants:
             raise ValueError("nesting_embedding adds to a ListOpsClassifier's token "
                              "embedding; the h-transformer-1d variant has none")
@@ -985,8 +1047,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 _OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
             "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
             "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps", "channels", "heads",
-            "layers", "layer", "pos_dim", "dropout", "pool", "node_loss", "init_from",
-            "device", "output_dir")
+            "layers", "hidden_channels", "layer", "pos_dim", "dropout", "pool", "node_loss",
+            "init_from", "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -1002,7 +1064,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"models (default: {' '.join(d.variants)})")
     for name in ("seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
                  "min_length", "max_length", "data_seed", "epochs", "batch_size", "channels",
-                 "heads", "layers", "pos_dim", "warmup_steps"):
+                 "heads", "layers", "hidden_channels", "pos_dim", "warmup_steps"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")

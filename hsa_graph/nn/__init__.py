@@ -15,6 +15,8 @@ r"""Neural modules around HSA: attention layer, transformer layers, pooling.
   :class:`HierarchicalTransformerEncoder` (a stack of either).
 * :func:`global_leaf_pool`, :func:`subtree_pool`, :func:`pool_leaves`: one vector per
   tree, per node (internal nodes included), and local pooling into parents.
+* :class:`RecursiveTreeEncoder`: not HSA but the recursive model it is compared with,
+  every internal node computed from its children's vectors, deepest first.
 """
 from .attention import ATTENTIONS, HSAttention, attention_tree
 from .causal import CausalDecoderLayer, CausalHSAttention, HierarchicalCausalLM
@@ -26,6 +28,7 @@ from .encoder import (
 )
 from .linear import ModalityLinear
 from .pool import PooledTree, global_leaf_pool, pool_leaves, subtree_pool
+from .recursive import RecursiveTreeEncoder
 
 __all__ = [
     "ATTENTIONS",
@@ -38,6 +41,7 @@ __all__ = [
     "HierarchicalTransformerEncoderLayer",
     "ModalityLinear",
     "PooledTree",
+    "RecursiveTreeEncoder",
     "TreeClassifier",
     "attention_flops",
     "attention_tree",

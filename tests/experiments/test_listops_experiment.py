@@ -114,6 +114,14 @@ def test_model_options_reach_the_models():
         ListOpsConfig(pool="max").validate()
     with pytest.raises(ValueError, match="layer must be"):
         ListOpsConfig(layer="post_norm").validate()
+    # the feed-forward width, over --quick's 64
+    args = build_parser("listops").parse_args(["listops", "--quick", "--hidden-channels", "96",
+                                              "--variants", "hsa-tree", "tree-recursive"])
+    config = config_from_args(args)
+    assert config.hidden_channels == 96
+    assert build_model("hsa-tree", **config.model_spec()).classifier.mlp[0].out_features == 96
+    recursive = build_model("tree-recursive", **config.model_spec())
+    assert recursive.encoder.hidden_channels == 96 and recursive.mlp[0].out_features == 96
 
 
 def test_the_layer_option_builds_pre_norm_stacks():
@@ -702,3 +710,48 @@ def test_nested_accuracy_by_operator_and_height():
         hit[[0, 1, 2, 3]].tolist()
     with pytest.raises(ValueError, match="nested_targets=True"):
         nested_accuracy(model, build_examples(rows, "parse"))
+
+
+# ------------------------------------------------------------------ the recursive model
+def test_the_recursive_variant_trains_saves_and_evaluates(tmp_path):
+    result = run_listops(ListOpsConfig(variants=("tree-recursive",), output_dir=str(tmp_path),
+                                       **{**TINY, "seeds": 1}))
+    (run,) = result["runs"]
+    assert run["variant"] == "tree-recursive" and len(run["history"]) == 2
+    assert run["parameters"] == sum(p.numel() for p in build_model(
+        "tree-recursive", channels=16, heads=2, layers=2, hidden_channels=16).parameters())
+    data = generate_listops_test_file(tmp_path, result)
+    metrics = evaluate_checkpoint(run["checkpoint"], str(data))
+    assert metrics["variant"] == "tree-recursive"
+    assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
+
+
+def test_the_recursive_model_reads_the_parse_not_the_argument_order():
+    """No positions inside a family: the arguments of an operator are a set (the four
+    operators are symmetric in them), and the operator token is what is read out."""
+    torch.manual_seed(0)
+    model = build_model("tree-recursive", channels=16, heads=2, layers=2,
+                        hidden_channels=16).eval()
+    same = ["[MAX 2 [MIN 4 7 ] 9 [SM 1 [MED 3 8 5 ] ] ]",
+            "[MAX [SM [MED 5 3 8 ] 1 ] 9 [MIN 7 4 ] 2 ]"]
+    other = ["[MIN 2 [MIN 4 7 ] 9 [SM 1 [MED 3 8 5 ] ] ]",     # another root operator
+             "[MAX 2 [MIN 4 7 9 ] [SM 1 [MED 3 8 5 ] ] ]"]     # another nesting
+    rows = [(e, evaluate_listops(e)) for e in same + other]
+    with torch.no_grad():
+        logits = model(Batch.from_data_list(build_examples(rows, "parse")))
+    torch.testing.assert_close(logits[0], logits[1])
+    assert not torch.allclose(logits[0], logits[2], atol=1e-4)
+    assert not torch.allclose(logits[0], logits[3], atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", [dict(node_loss=1.0), dict(nesting_embedding=True),
+                                     dict(include_self=True), dict(share_weights=True),
+                                     dict(pool="first")])
+def test_the_recursive_variant_refuses_settings_it_would_ignore(setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"{name}.*tree-recursive variant has none|"
+                       f"tree-recursive variant has no counterpart of {name}"):
+        ListOpsConfig(variants=("tree-recursive",), **TINY, **setting).validate()
+    if name != "node_loss":
+        with pytest.raises(ValueError, match=f"tree-recursive variant has no.*{name}"):
+            build_model("tree-recursive", channels=16, heads=2, layers=1, **setting)
