@@ -527,6 +527,8 @@ class ListOpsConfig:
     Args:
         variants: models to compare (:data:`VARIANTS`).
         seeds: model initialisations (>= 1; >= 3 for intervals worth the name).
+        first_seed: the first of them: seeds ``first_seed .. first_seed + seeds - 1``
+            (so the seeds of one comparison can run as separate processes).
         num_train, num_val, num_test, max_depth, max_args, min_length, max_length: the
             data (:func:`~hsa_graph.datasets.listops.generate_listops_splits`).
         operators: the operators drawn, a subset of ``MAX MIN MED SM`` (all four).
@@ -557,6 +559,7 @@ class ListOpsConfig:
     variants: Tuple[str, ...] = ("hsa-tree", "hsa-tree-brackets", "hsa-windows", "fsa",
                                  "deepset", "h-transformer-1d")
     seeds: int = 3
+    first_seed: int = 0
     num_train: int = LRA_SETTINGS["num_train"]
     num_val: int = LRA_SETTINGS["num_val"]
     num_test: int = LRA_SETTINGS["num_test"]
@@ -600,6 +603,9 @@ class ListOpsConfig:
         for name in self.variants:
             if name not in VARIANTS:
                 raise ValueError(f"unknown variant {name!r}; choose from {tuple(VARIANTS)}")
+        if isinstance(self.first_seed, bool) or not isinstance(self.first_seed, int) or (
+                self.first_seed < 0):
+            raise ValueError(f"first_seed must be an int >= 0, got {self.first_seed!r}")
         for name in ("seeds", "num_train", "num_val", "num_test", "epochs", "batch_size",
                      "channels", "heads", "layers", "hidden_channels"):
             value = getattr(self, name)
@@ -842,7 +848,7 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                 for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
-        for seed in range(config.seeds):
+        for seed in range(config.first_seed, config.first_seed + config.seeds):
             torch.manual_seed(seed)
             try:
                 model = _initial_model(config, variant, seed)
@@ -1044,8 +1050,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 
 
 # ------------------------------------------------------------------ command line
-_OPTIONS = ("variants", "seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
-            "min_length", "max_length", "operators", "data_seed", "data_dir", "epochs",
+_OPTIONS = ("variants", "seeds", "first_seed", "num_train", "num_val", "num_test",
+            "max_depth", "max_args", "min_length", "max_length", "operators", "data_seed",
+            "data_dir", "epochs",
             "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps", "channels", "heads",
             "layers", "hidden_channels", "layer", "pos_dim", "dropout", "pool", "node_loss",
             "init_from", "device", "output_dir")
@@ -1062,7 +1069,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"{k}={v}" for k, v in QUICK.items()) + " (explicit options win)")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
                         help=f"models (default: {' '.join(d.variants)})")
-    for name in ("seeds", "num_train", "num_val", "num_test", "max_depth", "max_args",
+    for name in ("seeds", "first_seed", "num_train", "num_val", "num_test", "max_depth",
+                 "max_args",
                  "min_length", "max_length", "data_seed", "epochs", "batch_size", "channels",
                  "heads", "layers", "hidden_channels", "pos_dim", "warmup_steps"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,

@@ -755,3 +755,24 @@ def test_the_recursive_variant_refuses_settings_it_would_ignore(setting):
     if name != "node_loss":
         with pytest.raises(ValueError, match=f"tree-recursive variant has no.*{name}"):
             build_model("tree-recursive", channels=16, heads=2, layers=1, **setting)
+
+
+def test_first_seed_runs_the_later_seeds_of_a_comparison_alone(tiny_run, tmp_path):
+    """Seeds split across processes give the runs one process gives."""
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.listops import config_from_args
+
+    _, result = tiny_run
+    alone = run_listops(ListOpsConfig(variants=("hsa-tree",), output_dir=str(tmp_path),
+                                      **{**TINY, "seeds": 1, "first_seed": 1}))
+    (run,) = alone["runs"]
+    together = next(r for r in result["runs"] if r["variant"] == "hsa-tree" and r["seed"] == 1)
+    assert run["seed"] == 1 and run["checkpoint"].endswith("hsa-tree_seed1.pt")
+    assert run["test_accuracy"] == together["test_accuracy"]
+    assert [h["train_loss"] for h in run["history"]] == pytest.approx(
+        [h["train_loss"] for h in together["history"]])
+    args = build_parser("listops").parse_args(["listops", "--first-seed", "2", "--seeds", "1"])
+    assert config_from_args(args).first_seed == 2
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="first_seed must be an int >= 0"):
+            ListOpsConfig(first_seed=bad).validate()
