@@ -724,7 +724,8 @@ class TreeStructure:
     def child_levels(self) -> Tuple[ChildLevel, ...]:
         """Every depth's internal nodes with their children (:class:`ChildLevel`), the
         deepest first: a recursive pass reads the leaves and the depth below to compute a
-        depth. Built once per structure with one device read (the group sizes)."""
+        depth. Built once per structure; it reads the group sizes from the device once,
+        not once per depth."""
         return _child_levels(self)
 
     @_lazy_field
@@ -1476,7 +1477,6 @@ def _depth_by_pointer_jumping(parent: Tensor) -> Tensor:
     return depth
 
 
-
 def _child_levels(st: TreeStructure) -> Tuple[ChildLevel, ...]:
     n, i, dev = st.num_leaves, st.num_internal, st.device
     if i == 0:
@@ -1487,12 +1487,11 @@ def _child_levels(st: TreeStructure) -> Tuple[ChildLevel, ...]:
     count = torch.bincount(parent_row, minlength=i + 1)[:i]
     start = count.cumsum(0) - count
     width = torch.pow(2, torch.ceil(torch.log2(count.double()))).long()
-    depth = st.depth[n:]
     # nodes sorted by (depth, width): every group is one slice
-    key = depth * (int(width.max()) + 1) + width
+    max_width = int(width.max()) + 1
+    key = st.depth[n:] * max_width + width
     by_key = torch.sort(key, stable=True).indices
     keys, sizes = torch.unique_consecutive(key[by_key], return_counts=True)
-    max_width = int(width.max()) + 1
     groups: Dict[int, List[ChildGroup]] = {}
     lo = 0
     for k, size in zip(keys.tolist(), sizes.tolist()):
@@ -1518,6 +1517,7 @@ def _child_levels(st: TreeStructure) -> Tuple[ChildLevel, ...]:
         levels.append(ChildLevel(depth=d, rows=(st.level_ptr[d], st.level_ptr[d + 1]),
                                  groups=tuple(groups[d]), order=order))
     return tuple(levels)
+
 
 def _padded_size(x: Tensor) -> Tensor:
     """Round family sizes up to ``c * 2^e`` with ``8 <= c < 16`` (exact up to 16)."""

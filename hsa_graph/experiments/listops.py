@@ -400,8 +400,8 @@ class RecursiveListOpsClassifier(Module):
         return self.mlp(self.encoder.roots(self.embedding(x), batch))
 
 
-#: settings of :class:`ListOpsClassifier` that change what it computes and that the
-#: recursive model has no counterpart for: value -> what it would silently ignore
+#: settings of :class:`ListOpsClassifier` (name: the value that turns one on) that the
+#: recursive model has no counterpart of: refused for it rather than ignored
 _NOT_RECURSIVE = {"share_weights": True, "include_self": True, "nesting_embedding": True,
                   "pool": "first"}
 
@@ -411,7 +411,9 @@ def build_model(variant: str, **spec: Any) -> Module:
     (``channels``, ``heads``, ``layers``, ``layer``, ``share_weights``, ``hidden_channels``,
     ``pos_dim``, ``dropout``, ``pool``, ``include_self``, ``nesting_embedding``,
     ``max_length``; the peer H-Transformer-1D takes ``channels``, ``heads``, ``layers``,
-    ``hidden_channels``, ``max_length`` and mean-pools)."""
+    ``hidden_channels``, ``max_length`` and mean-pools; the recursive model takes
+    ``channels``, ``heads``, ``layers``, ``hidden_channels``, ``dropout`` and refuses
+    ``share_weights``, ``include_self``, ``nesting_embedding`` and ``pool="first"``)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {tuple(VARIANTS)}")
     attention = VARIANTS[variant][1]
@@ -616,12 +618,10 @@ class ListOpsConfig:
         if self.pool not in ("mean", "first"):
             raise ValueError(f"pool must be 'mean' or 'first', got {self.pool!r}")
         _check_loss_weight("node_loss", self.node_loss)
-        if self.node_loss and "h-transformer-1d" in self.variants:
-            raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
-                             "the h-transformer-1d variant does not support it")
-        if self.node_loss and "tree-recursive" in self.variants:
-            raise ValueError("node_loss reads the tokens' outputs of a ListOpsClassifier; "
-                             "the tree-recursive variant has none")
+        for other in ("h-transformer-1d", "tree-recursive"):
+            if self.node_loss and other in self.variants:
+                raise ValueError("node_loss reads the tokens' outputs of a "
+                                 f"ListOpsClassifier; the {other} variant has none")
         for name, value in _NOT_RECURSIVE.items():
             if getattr(self, name) == value and "tree-recursive" in self.variants:
                 raise ValueError(f"the tree-recursive variant has no counterpart of "
@@ -1052,10 +1052,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("variants", "seeds", "first_seed", "num_train", "num_val", "num_test",
             "max_depth", "max_args", "min_length", "max_length", "operators", "data_seed",
-            "data_dir", "epochs",
-            "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps", "channels", "heads",
-            "layers", "hidden_channels", "layer", "pos_dim", "dropout", "pool", "node_loss",
-            "init_from", "device", "output_dir")
+            "data_dir", "epochs", "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps",
+            "channels", "heads", "layers", "hidden_channels", "layer", "pos_dim", "dropout",
+            "pool", "node_loss", "init_from", "device", "output_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -1070,9 +1069,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
                         help=f"models (default: {' '.join(d.variants)})")
     for name in ("seeds", "first_seed", "num_train", "num_val", "num_test", "max_depth",
-                 "max_args",
-                 "min_length", "max_length", "data_seed", "epochs", "batch_size", "channels",
-                 "heads", "layers", "hidden_channels", "pos_dim", "warmup_steps"):
+                 "max_args", "min_length", "max_length", "data_seed", "epochs", "batch_size",
+                 "channels", "heads", "layers", "hidden_channels", "pos_dim", "warmup_steps"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {d.lr}")
