@@ -740,6 +740,28 @@ class TreeStructure:
                     out[d].append(g)
         return [tuple(b) for b in out]
 
+    def leaf_rows_of(self, nodes: Tensor, what: str = "nodes") -> Tensor:
+        """The leaf rows (leaf order, as ``x``) of the leaves ``nodes`` ``[n]`` (node
+        ids, long).
+
+        Raises:
+            ValueError: naming ``what``, for ids that are not long, out of range or
+                internal nodes.
+        """
+        if not isinstance(nodes, Tensor) or nodes.dtype != torch.long or nodes.dim() != 1:
+            raise ValueError(f"{what} must be a 1-D long tensor of node ids, got "
+                             f"{getattr(nodes, 'dtype', type(nodes).__name__)} "
+                             f"{tuple(getattr(nodes, 'shape', ()))}")
+        nodes = nodes.to(self.device)
+        m = self.unified_of_node.numel()
+        if nodes.numel() and bool(((nodes < 0) | (nodes >= m)).any()):
+            raise ValueError(f"{what} holds node ids outside [0, {m})")
+        rows = self.unified_of_node[nodes]
+        if rows.numel() and bool((rows >= self.num_leaves).any()):
+            raise ValueError(f"{what} must name leaves; node "
+                             f"{int(nodes[rows >= self.num_leaves][0])} is internal")
+        return rows
+
     def family_groups(self, nodes: Tensor) -> Groups:
         """The sibling families of ``nodes`` ``[n]`` (original node ids), read from
         :attr:`family_index`: nodes are grouped by parent, an only child or a root is a

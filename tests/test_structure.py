@@ -998,3 +998,19 @@ def test_child_levels_of_a_batch_of_parse_trees():
             assert bool(g.from_leaf[:, 0].all())
             assert bool(((first >= 10) | (g.width == 1)).all())
     check_child_levels(Batch.from_data_list(trees).parent.tolist())
+
+
+def test_leaf_rows_of_nodes_is_each_leaf_s_place_in_leaf_order():
+    parent = [-1, 0, 0, 1, 1, 2, 2, 2, -1, 8, 8]          # two trees
+    tree = NestedSignal.from_parents(parent)
+    structure = tree.structure
+    leaves = [u for u in range(len(parent)) if u not in parent]
+    nodes = torch.tensor([10, 3, 6, 9])
+    assert structure.leaf_rows_of(nodes).tolist() == [leaves.index(u) for u in nodes.tolist()]
+    assert structure.leaf_rows_of(nodes[:0]).numel() == 0
+    with pytest.raises(ValueError, match="mirror_index must name leaves; node 2 is internal"):
+        structure.leaf_rows_of(torch.tensor([3, 2]), "mirror_index")
+    with pytest.raises(ValueError, match=r"outside \[0, 11\)"):
+        structure.leaf_rows_of(torch.tensor([11]))
+    with pytest.raises(ValueError, match="1-D long tensor"):
+        structure.leaf_rows_of(torch.tensor([[3]]))

@@ -390,7 +390,7 @@ def to_lra_form(expression: str) -> str:
 
 # ------------------------------------------------------------------ trees
 def listops_tree(expression: Union[str, ListOpsParse], *, brackets: bool = False,
-                 max_depth: Optional[int] = 1000) -> NestedSignal:
+                 node_tokens: bool = False, max_depth: Optional[int] = 1000) -> NestedSignal:
     r"""The parse tree of an expression as a :class:`~hsa_graph.NestedSignal`: one
     internal node per bracketed operator whose children are, in order, the operator
     token (a leaf), its arguments (digit leaves, nested operators' nodes) and, with
@@ -400,9 +400,19 @@ def listops_tree(expression: Union[str, ListOpsParse], *, brackets: bool = False
     operator leaf), so the leaves are the tokens in order. A lone digit becomes a
     root with that one leaf.
 
+    With ``node_tokens=True`` every nested operator is also an argument of its parent
+    as one leaf, its *node token* (the operator's token id, placed just before the
+    operator's node), and the tree records ``mirror_index`` ``[K]`` (the node tokens'
+    nodes) and ``mirror_source_index`` ``[K]`` (the nodes of the operator leaves they
+    stand for). A model that copies each operator leaf's features into its node token
+    after every layer (:class:`~hsa_graph.nn.HierarchicalTransformerEncoder`'s
+    ``mirrors``) lets the parent's family read a nested result as one vector computed
+    inside the operator's family, instead of only as its subtree's mean.
+
     Args:
         expression: the expression, or its :func:`parse_listops` result.
         brackets: keep ``]`` as the last leaf of each family.
+        node_tokens: give every nested operator a node token in its parent's family.
         max_depth: see :func:`parse_listops`.
 
     Returns:
@@ -415,33 +425,50 @@ def listops_tree(expression: Union[str, ListOpsParse], *, brackets: bool = False
         [-1, 0, 0, 0, 0, 4, 4, 4, 0]
         >>> tree.x.tolist(), tree.y.tolist()
         ([10, 2, 9, 11, 4, 7, 0], [9])
+        >>> tree = listops_tree("[MAX 2 9 [MIN 4 7 ] 0 ]", node_tokens=True)
+        >>> tree.parent.tolist()            # MIN's node token (node 4) before MIN's node
+        [-1, 0, 0, 0, 0, 0, 5, 5, 5, 0]
+        >>> tree.x.tolist(), tree.mirror_index.tolist(), tree.mirror_source_index.tolist()
+        ([10, 2, 9, 11, 11, 4, 7, 0], [4], [6])
     """
     p = expression if isinstance(expression, ListOpsParse) else parse_listops(
         expression, max_depth=max_depth)
     tokens = p.tokens
     keep = np.ones(tokens.size, dtype=bool) if brackets else tokens != CLOSE
     kept = np.flatnonzero(keep)
+    mirrors = np.zeros(0, dtype=np.int64)
     if kept.size == 1:  # a lone digit: a root with one leaf
         parent = torch.tensor([-1, 0])
         x = torch.as_tensor(tokens[kept])
     else:
         is_open = (tokens[kept] >= 10) & (tokens[kept] < CLOSE)
-        leaf_node = np.arange(kept.size) + np.cumsum(is_open)
+        owner = p.parent[kept]
+        # a nested operator's node token comes just before its node
+        has_token = is_open & (owner >= 0) if node_tokens else np.zeros_like(is_open)
+        leaf_node = np.arange(kept.size) + np.cumsum(is_open) + np.cumsum(has_token)
         node_of_op = np.full(tokens.size, -1, dtype=np.int64)
         node_of_op[kept[is_open]] = leaf_node[is_open] - 1
-        owner = p.parent[kept]
-        parent = np.empty(kept.size + int(is_open.sum()), dtype=np.int64)
+        parent = np.empty(kept.size + int(is_open.sum()) + int(has_token.sum()),
+                          dtype=np.int64)
         # a leaf's family: its own operator for an operator token, else its parent's
         parent[leaf_node] = np.where(is_open, leaf_node - 1,
                                      node_of_op[np.clip(owner, 0, None)])
         op_owner = owner[is_open]
         parent[leaf_node[is_open] - 1] = np.where(op_owner >= 0,
                                                   node_of_op[np.clip(op_owner, 0, None)], -1)
+        mirrors = leaf_node[has_token] - 2
+        parent[mirrors] = parent[mirrors + 1]
         parent = torch.from_numpy(parent)
-        x = torch.from_numpy(tokens[kept].copy())
+        x = tokens[kept]
+        if node_tokens:  # a node token's id: its operator's, inserted before it
+            x = np.insert(x, np.flatnonzero(has_token), x[has_token])
+        x = torch.from_numpy(x.copy())
     tree = NestedSignal.from_parents(parent, x, geometry="sequence")
     tree.y = torch.tensor([p.value], dtype=torch.long)
     tree.depth = torch.tensor([p.depth], dtype=torch.long)
+    if node_tokens:
+        tree.mirror_index = torch.from_numpy(mirrors)
+        tree.mirror_source_index = torch.from_numpy(mirrors + 2)
     return tree
 
 

@@ -17,6 +17,11 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
   brackets dropped);
 * ``hsa-tree-brackets``: the same with ``]`` kept as each family's last leaf (the
   alternative placement of the bracket tokens; leaves = the whole token sequence);
+* ``hsa-tree-nodes``: the parse tree with a node token per nested operator (the
+  operator's token again, as an argument of its parent, just before its node), which the
+  encoder sets to the operator token's features after every layer
+  (``listops_tree(node_tokens=True)``): a nested result reaches its operator as one
+  vector computed in its own family, not only as its subtree's mean;
 * ``hsa-windows``: HSA on fixed hopping windows over the token sequence
   (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
 * ``fsa``: flat softmax attention over the tokens (positions: each token's index);
@@ -149,6 +154,7 @@ __all__ = [
 VARIANTS: Dict[str, Tuple[str, str]] = {
     "hsa-tree": ("parse", "hierarchical"),
     "hsa-tree-brackets": ("parse_brackets", "hierarchical"),
+    "hsa-tree-nodes": ("parse_nodes", "hierarchical"),
     "hsa-windows": ("windows", "hierarchical"),
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
@@ -441,7 +447,7 @@ def _operator_heights(parsed, is_open: np.ndarray) -> np.ndarray:
     return height
 
 
-def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
+def _attach_nested_targets(tree, parsed, keep_close: bool, node_tokens: bool = False) -> None:
     """The targets :class:`NestedValueLoss` reads, on ``tree`` whose leaves are the
     tokens of ``parsed`` in order (without ``]`` unless ``keep_close``): for every
     nested operator (one inside another), ``nested_index`` (the node of its operator
@@ -453,7 +459,8 @@ def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
     tokens = parsed.tokens
     is_close = tokens == CLOSE
     is_open = (tokens >= 10) & (tokens < CLOSE)
-    nested = np.flatnonzero(is_open & (parsed.parent >= 0))
+    is_nested = is_open & (parsed.parent >= 0)
+    nested = np.flatnonzero(is_nested)
     end = np.zeros(tokens.size, dtype=np.int64)
     end[parsed.parent[is_close]] = np.flatnonzero(is_close)  # the ']' of each operator
     closes = np.cumsum(is_close)
@@ -461,8 +468,12 @@ def _attach_nested_targets(tree, parsed, keep_close: bool) -> None:
         first, last = nested, end[nested]
     else:  # a token's leaf: its position less the ']' before it
         first, last = nested - closes[nested], end[nested] - closes[end[nested]]
-    leaves = tree.leaf_index
     expected = tokens.size if keep_close else tokens.size - int(closes[-1])
+    if node_tokens:  # and plus the node tokens up to it (its own just before it)
+        tokens_before = np.cumsum(is_nested)
+        first, last = first + tokens_before[nested], last + tokens_before[end[nested]]
+        expected += nested.size
+    leaves = tree.leaf_index
     if leaves.numel() != expected:
         raise ValueError(f"the tree has {leaves.numel()} leaves for {expected} tokens")
     tree.nested_index = leaves[torch.from_numpy(first)]
@@ -488,7 +499,7 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
     """
     from ..builders.windows import hopping_window_tree
 
-    if structure not in ("parse", "parse_brackets", "windows"):
+    if structure not in ("parse", "parse_brackets", "parse_nodes", "windows"):
         raise ValueError(f"unknown structure {structure!r}")
     out = []
     for i, row in enumerate(rows):
@@ -510,12 +521,20 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
             tree = hopping_window_tree(torch.from_numpy(parsed.tokens.copy()), WINDOWS)
             tree.y = torch.tensor([parsed.value], dtype=torch.long)
         else:
-            tree = listops_tree(parsed, brackets=structure == "parse_brackets")
+            tree = listops_tree(parsed, brackets=structure == "parse_brackets",
+                                node_tokens=structure == "parse_nodes")
             del tree.depth
-        kept = parsed.level if structure != "parse" else parsed.level[parsed.tokens != CLOSE]
+        keep_close = structure in ("parse_brackets", "windows")
+        kept = parsed.level if keep_close else parsed.level[parsed.tokens != CLOSE]
+        if structure == "parse_nodes":  # a node token sits where its operator is
+            kept_tokens = parsed.tokens[parsed.tokens != CLOSE]
+            kept_parent = parsed.parent[parsed.tokens != CLOSE]
+            nested = np.flatnonzero((kept_tokens >= 10) & (kept_parent >= 0))
+            kept = np.insert(kept, nested, kept[nested])
         tree.nesting = torch.from_numpy(kept.astype(np.int64))
         if nested_targets:
-            _attach_nested_targets(tree, parsed, keep_close=structure != "parse")
+            _attach_nested_targets(tree, parsed, keep_close=keep_close,
+                                   node_tokens=structure == "parse_nodes")
         out.append(tree)
     return out
 

@@ -15,8 +15,9 @@ the paper) goes to every layer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Dropout, LayerNorm, Linear, Module, ModuleList, Sequential
@@ -24,7 +25,14 @@ from torch_geometric.nn.inits import reset
 from torch_geometric.nn.resolver import activation_resolver
 
 from ..geometry import FieldNameEmbedding
-from .attention import ATTENTIONS, HSAttention, PositionInput, attention_tree, check_features
+from .attention import (
+    ATTENTIONS,
+    HSAttention,
+    PositionInput,
+    _structure,
+    attention_tree,
+    check_features,
+)
 
 __all__ = [
     "HSATransformerEncoderLayer",
@@ -183,6 +191,29 @@ _LAYERS = {"hte": HierarchicalTransformerEncoderLayer, "pre_norm": HSATransforme
 LAYERS = tuple(_LAYERS)
 
 
+def _mirror_rows(tree, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """The leaf rows of ``tree``'s node tokens and of the leaves they mirror (its
+    ``mirror_index`` and ``mirror_source_index``), or ``None`` where it has none."""
+    nodes = getattr(tree, "mirror_index", None)
+    sources = getattr(tree, "mirror_source_index", None)
+    if nodes is None and sources is None:
+        return None
+    if nodes is None or sources is None:
+        raise ValueError("a tree with node tokens needs both mirror_index and "
+                         "mirror_source_index")
+    structure = _structure(tree, x)
+    rows = structure.leaf_rows_of(nodes, "mirror_index")
+    source_rows = structure.leaf_rows_of(sources, "mirror_source_index")
+    if rows.shape != source_rows.shape:
+        raise ValueError(f"mirror_index and mirror_source_index must have the same length, "
+                         f"got {rows.numel()} and {source_rows.numel()}")
+    if rows.numel() and (torch.unique(rows).numel() != rows.numel()
+                         or bool(torch.isin(source_rows, rows).any())):
+        raise ValueError("mirror_index must name each leaf once, and no mirrored leaf "
+                         "(mirror_source_index) may itself be a node token")
+    return rows, source_rows
+
+
 class HierarchicalTransformerEncoder(Module):
     r"""A stack of HSA transformer layers over the leaves of a nested signal.
 
@@ -192,6 +223,13 @@ class HierarchicalTransformerEncoder(Module):
     pass and projected by each layer's own linear maps (one per geometry type), with
     one field-name table shared by all layers, as in the paper's appendix F. A
     pre-norm stack ends with a LayerNorm.
+
+    Node tokens: a tree with ``mirror_index`` and ``mirror_source_index`` (node ids of
+    leaves, e.g. :func:`~hsa_graph.datasets.listops.listops_tree`'s ``node_tokens``) has
+    each leaf of ``mirror_index`` stand for the leaf of ``mirror_source_index`` at the
+    same place: after every layer its features are replaced by that leaf's, so a leaf
+    placed in one family (an operator among its arguments) is read in another (its
+    parent's) as one vector, one level further up per layer.
 
     The leaf outputs can be read out with :mod:`hsa_graph.nn.pool`: one vector per
     tree (:func:`~hsa_graph.nn.global_leaf_pool`) or per node, internal nodes
@@ -268,8 +306,11 @@ class HierarchicalTransformerEncoder(Module):
         # an inducing layer embeds the tree it builds, not the given one
         features = (encoder.features(target) if encoder is not None and target is not None
                     and self.layers[0].attn.induce is None else None)
+        mirrors = _mirror_rows(tree, x)
         for layer in self.layers:
             x = layer(x, tree, features)
+            if mirrors is not None:
+                x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)
 
     def __repr__(self) -> str:

@@ -289,6 +289,37 @@ def test_parse_tree_one_internal_node_per_operator():
             assert tree.position[children, 0].tolist() == list(range(children.numel()))
 
 
+@pytest.mark.parametrize("brackets", [False, True])
+def test_node_tokens_are_each_nested_operator_once_more_in_its_parent_s_family(brackets):
+    for expression, _ in generate_listops(30, seed=6, **SMALL) + [("[MAX 1 2 ]", 2), ("4", 4)]:
+        plain = listops_tree(expression, brackets=brackets)
+        tree = listops_tree(expression, brackets=brackets, node_tokens=True)
+        words = [w for w in expression.split() if brackets or w != "]"]
+        ops = [i for i, w in enumerate(words) if w.startswith("[")]
+        # the leaves: the tokens in order, each nested operator's token twice
+        expected = []
+        for i, w in enumerate(words):
+            expected += [w, w] if i in ops[1:] else [w]
+        assert [VOCAB[i] for i in tree.x.tolist()] == expected
+        assert tree.num_nodes - tree.num_leaves == plain.num_nodes - plain.num_leaves
+        parent = tree.parent.tolist()
+        assert tree.mirror_index.numel() == tree.mirror_source_index.numel() == len(ops[1:])
+        for token, source in zip(tree.mirror_index.tolist(), tree.mirror_source_index.tolist()):
+            assert bool(tree.is_leaf[token]) and bool(tree.is_leaf[source])
+            node = parent[source]                     # the operator's node
+            assert parent[token] == parent[node]      # one of its parent's arguments
+            siblings = [u for u, p in enumerate(parent) if p == parent[node]]
+            assert siblings[siblings.index(node) - 1] == token   # just before its node
+            assert [u for u, p in enumerate(parent) if p == node][0] == source
+        # without the node tokens: the plain parse tree
+        keep = torch.ones(tree.num_nodes, dtype=torch.bool)
+        keep[tree.mirror_index] = False
+        old = torch.cumsum(keep.long(), 0) - 1
+        kept_parent = tree.parent[keep]
+        pruned = torch.where(kept_parent >= 0, old[kept_parent.clamp_min(0)], kept_parent)
+        assert pruned.tolist() == plain.parent.tolist()
+
+
 @pytest.mark.parametrize("expression, match", [
     ("[MAX 1 2 ] ]", "token 4 closes no operator"),
     ("[MAX 1 [MIN 2 ]", "token 0 is never closed"),

@@ -8,6 +8,7 @@ from torch_geometric.data import Batch
 
 from hsa_graph.cli import main
 from hsa_graph.datasets.listops import (
+    VOCAB,
     evaluate_listops,
     generate_listops,
     read_listops_tsv,
@@ -776,3 +777,52 @@ def test_first_seed_runs_the_later_seeds_of_a_comparison_alone(tiny_run, tmp_pat
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="first_seed must be an int >= 0"):
             ListOpsConfig(first_seed=bad).validate()
+
+
+# ------------------------------------------------------------------ node tokens
+def test_node_token_examples_carry_nesting_spans_and_mirrors():
+    rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MIN 5 [SM 3 4 ] ]", 5),
+            ("7", 7)]
+    trees = build_examples(rows, "parse_nodes", nested_targets=True)
+    words = lambda t: [VOCAB[i] for i in t.x.tolist()]  # noqa: E731
+    assert words(trees[0]) == ("[SM [MAX [MAX 2 9 [MIN [MIN 4 7 0 [MED [MED 1 2 3").split()
+    # a node token sits in its parent's family: its nesting is its operator's
+    assert trees[0].nesting.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3, 1, 1, 1, 2, 2, 2]
+    assert trees[1].nesting.tolist() == [0, 1, 1, 1, 2, 2]
+    # each nested operator's span: from its own token (after its node token) to its last
+    row = {int(n): i for i, n in enumerate(trees[0].leaf_index)}
+    spans = [" ".join(words(trees[0])[row[a]:row[b] + 1]) for a, b in zip(
+        trees[0].nested_index.tolist(), trees[0].nested_last_index.tolist())]
+    assert spans == ["[MAX 2 9 [MIN [MIN 4 7", "[MIN 4 7", "[MED 1 2 3"]
+    assert trees[0].nested_y.tolist() == [9, 4, 2]
+    # every node token mirrors its operator's token, the first leaf of that span
+    assert trees[0].mirror_source_index.tolist() == trees[0].nested_index.tolist()
+    assert trees[2].mirror_index.numel() == 0 and trees[2].nested_index.numel() == 0
+
+
+def test_the_node_token_variant_trains_saves_and_evaluates(tmp_path):
+    result = run_listops(ListOpsConfig(variants=("hsa-tree-nodes", "hsa-tree"),
+                                       output_dir=str(tmp_path), node_loss=0.5,
+                                       **{**TINY, "seeds": 1}))
+    nodes, tree = result["runs"]
+    assert nodes["variant"] == "hsa-tree-nodes" and len(nodes["history"]) == 2
+    assert nodes["parameters"] == tree["parameters"]          # the same model, other trees
+    data = generate_listops_test_file(tmp_path, result)
+    metrics = evaluate_checkpoint(nodes["checkpoint"], str(data), nested=True)
+    assert metrics["variant"] == "hsa-tree-nodes"
+    assert metrics["accuracy"] == pytest.approx(nodes["test_accuracy"])
+
+
+def test_node_tokens_carry_a_nested_operator_that_its_subtree_mean_cannot():
+    """The same tokens under the nested operator, nested the other way round: after one
+    layer the plain parse tree's root operator has read the same subtree mean in both;
+    with node tokens it reads the nested operator's own token."""
+    rows = [("[MAX 1 [MIN 9 [MAX 8 2 ] ] ]", 8), ("[MAX 1 [MAX 9 [MIN 8 2 ] ] ]", 9)]
+    for variant, differs in (("hsa-tree", False), ("hsa-tree-nodes", True)):
+        torch.manual_seed(0)
+        model = build_model(variant, channels=8, heads=2, layers=1, hidden_channels=8,
+                            layer="pre_norm", pos_dim=None).double().eval()
+        trees = build_examples(rows, VARIANTS[variant][0])
+        with torch.no_grad():       # the root operator's token is each tree's first leaf
+            roots = [model.encode(Batch.from_data_list([t]))[0] for t in trees]
+        assert torch.allclose(roots[0], roots[1]) != differs, variant

@@ -112,6 +112,61 @@ def test_baselines_on_the_same_code_path(layer):
     assert not torch.allclose(hier(x2, tree)[0], hier(x, tree)[0])
 
 
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_node_tokens_take_their_source_s_features_after_every_layer(layer):
+    from hsa_graph.datasets.listops import listops_tree
+
+    torch.manual_seed(5)
+    trees = [listops_tree(e, node_tokens=True) for e in (
+        "[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", "[MIN 5 [SM 3 4 ] ]", "[MAX 1 2 ]")]
+    batch = Batch.from_data_list(trees)
+    encoder = HierarchicalTransformerEncoder(6, 3, heads=2, layer=layer, pos_dim=2).to(DT)
+    randomise_norms(encoder)
+    x = torch.randn(batch.num_leaves, 6, dtype=DT)
+    # by hand: a node's leaf row is its place among the leaves, in node order
+    leaves = batch.is_leaf.nonzero().view(-1).tolist()
+    rows = [leaves.index(u) for u in batch.mirror_index.tolist()]
+    sources = [leaves.index(u) for u in batch.mirror_source_index.tolist()]
+    assert len(rows) == 4
+    h = x
+    for block in encoder.layers:
+        h = block(h, batch).clone()
+        h[rows] = h[sources]
+    expected = h if encoder.norm is None else encoder.norm(h)
+    out = encoder(x, batch)
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(out[rows], out[sources], **TOL)
+    # trees one by one: the same rows (batching offsets the node ids)
+    alone = torch.cat([encoder(x[a:a + t.num_leaves], t) for a, t in zip(
+        torch.tensor([0] + [t.num_leaves for t in trees]).cumsum(0).tolist(), trees)])
+    torch.testing.assert_close(out, alone, **TOL)
+    # without the node tokens' attributes the same leaves are plain tokens
+    del batch.mirror_index, batch.mirror_source_index
+    assert not torch.allclose(encoder(x, batch), out)
+
+
+def test_node_token_attributes_are_checked():
+    tree = NestedSignal.from_parents(PARENT)
+    encoder = HierarchicalTransformerEncoder(4, 1)
+    x = torch.randn(N_LEAVES, 4)
+    leaves = tree.is_leaf.nonzero().view(-1)
+    internal = (~tree.is_leaf).nonzero().view(-1)
+    for index, source, match in [
+            (leaves[:1], None, "needs both"),
+            (leaves[:2], leaves[2:3], "same length"),
+            (leaves[:2].float(), leaves[2:4], "1-D long tensor"),
+            (leaves[:1], internal[1:2], "must name leaves; node 1 is internal"),
+            (torch.tensor([40]), leaves[:1], r"outside \[0, 12\)"),
+            (leaves[[0, 0]], leaves[1:3], "each leaf once"),
+            (leaves[:2], leaves[1:3], "itself be a node token")]:
+        bad = tree.clone()
+        bad.mirror_index = index
+        if source is not None:
+            bad.mirror_source_index = source
+        with pytest.raises(ValueError, match=match):
+            encoder(x, bad)
+
+
 def test_gradcheck_hte_layer_float64():
     torch.manual_seed(4)
     tree = NestedSignal.from_parents(PARENT)
