@@ -721,6 +721,13 @@ class TreeStructure:
         return first.scatter_reduce_(0, self.leaf_tree, rows, "amin")
 
     @_lazy_field
+    def tree_root(self) -> Tensor:
+        """``[T]`` the unified index of each tree's root, trees in the order of
+        :attr:`leaf_tree` (their roots' node index: graph order in a PyG batch)."""
+        roots = (self.parent_unified() < 0).nonzero().flatten()
+        return roots[torch.argsort(self.node_of_unified[roots])]
+
+    @_lazy_field
     def child_levels(self) -> Tuple[ChildLevel, ...]:
         """Every depth's internal nodes with their children (:class:`ChildLevel`), the
         deepest first: a recursive pass reads the leaves and the depth below to compute a

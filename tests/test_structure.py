@@ -1014,3 +1014,13 @@ def test_leaf_rows_of_nodes_is_each_leaf_s_place_in_leaf_order():
         structure.leaf_rows_of(torch.tensor([11]))
     with pytest.raises(ValueError, match="1-D long tensor"):
         structure.leaf_rows_of(torch.tensor([[3]]))
+
+
+def test_tree_root_is_each_tree_s_root_in_tree_order():
+    # roots at nodes 0 (internal), 5 (a lone leaf), 6 (internal), in node order
+    parent = [-1, 0, 0, 1, 1, -1, -1, 6, 6]
+    structure = NestedSignal.from_parents(parent).structure
+    roots = structure.node_of_unified[structure.tree_root].tolist()
+    assert roots == [0, 5, 6]
+    # the tree of each leaf, by that order, is the tree its root heads
+    assert structure.leaf_tree.tolist() == [0, 0, 0, 1, 2, 2]

@@ -246,13 +246,13 @@ class ListOpsClassifier(Module):
         of tokens (their mean, or with ``pool="first"`` the operator token), then the
         MLP. ``token_outputs``: :meth:`encode`'s."""
         structure = batch.structure_for(token_outputs.device)
-        first = structure.unified_of_node[batch.nested_index]
+        first = structure.leaf_rows_of(batch.nested_index, "nested_index")
         if self.classifier.pool == "first":  # the span's first token: the operator
             pooled = token_outputs[first]
         else:  # the mean over each span: consecutive leaf rows (leaves come first, in
             # node order), a difference of prefix sums, in float64 so that a short
             # span keeps its digits next to sums over the whole batch
-            last = structure.unified_of_node[batch.nested_last_index]
+            last = structure.leaf_rows_of(batch.nested_last_index, "nested_last_index")
             prefix = F.pad(token_outputs.double().cumsum(0), (0, 0, 1, 0))
             pooled = ((prefix[last + 1] - prefix[first])
                       / (last - first + 1).unsqueeze(-1)).to(token_outputs.dtype)
@@ -819,8 +819,8 @@ def nested_accuracy(model: Module, examples: Sequence[Any], *, batch_size: int =
                                  "nested_targets=True")
             logits = model.read_out_nested(model.encode(batch), batch)
             hits.append((logits.argmax(-1) == batch.nested_y).cpu())
-            operator = batch.x[batch.structure_for(batch.x.device).unified_of_node[
-                batch.nested_index]].cpu() - 10
+            operator = batch.x[batch.structure_for(batch.x.device).leaf_rows_of(
+                batch.nested_index, "nested_index")].cpu() - 10
             keys.append(operator * 1000 + batch.nested_height.cpu())
     model.train(was_training)
     hit, key = (torch.cat(hits), torch.cat(keys)) if hits else (torch.zeros(0), torch.zeros(0))

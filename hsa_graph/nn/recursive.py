@@ -110,15 +110,7 @@ class RecursiveTreeEncoder(Module):
         (as :func:`~hsa_graph.nn.global_leaf_pool`): an internal root's vector, or the
         leaf row of a tree that is one leaf."""
         structure = _structure(tree, x.device)
-        internal = self(x, tree)
-        n = structure.num_leaves
-        internal_roots = torch.arange(structure.level_ptr[0], structure.level_ptr[1],
-                                      device=x.device)
-        leaf_roots = (structure.leaf_parent == structure.num_internal).nonzero().view(-1)
-        node = torch.cat([structure.node_of_unified[n + internal_roots],
-                          structure.node_of_unified[leaf_roots]])
-        rows = torch.cat([internal[internal_roots], x[leaf_roots]])
-        return rows[torch.argsort(node)]
+        return torch.cat([x, self(x, tree)])[structure.tree_root]
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, heads={self.heads}, "
