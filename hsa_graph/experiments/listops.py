@@ -22,6 +22,14 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
   encoder sets to the operator token's features after every layer
   (``listops_tree(node_tokens=True)``): a nested result reaches its operator as one
   vector computed in its own family, not only as its subtree's mean;
+* ``hsa-tree-bottom-up``: the node-token tree with a layer schedule: an operator's token
+  takes the output of the layer numbered by its height (1: over digits only) and keeps
+  its features through every other layer, digits and node tokens never take one
+  (``update_layer``, honoured by :class:`~hsa_graph.nn.HierarchicalTransformerEncoder`).
+  With ``share_weights`` every operator is composed once, deepest first, from its
+  arguments' final vectors by the same HSA block, as the recursive model composes,
+  while each layer is still HSA over the whole tree; ``layers`` must reach the deepest
+  nesting of the data (refused otherwise, naming both);
 * ``hsa-windows``: HSA on fixed hopping windows over the token sequence
   (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
 * ``fsa``: flat softmax attention over the tokens (positions: each token's index);
@@ -155,12 +163,15 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "hsa-tree": ("parse", "hierarchical"),
     "hsa-tree-brackets": ("parse_brackets", "hierarchical"),
     "hsa-tree-nodes": ("parse_nodes", "hierarchical"),
+    "hsa-tree-bottom-up": ("parse_bottom_up", "hierarchical"),
     "hsa-windows": ("windows", "hierarchical"),
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
     "h-transformer-1d": ("windows", "h-transformer-1d"),
     "tree-recursive": ("parse", "recursive"),
 }
+#: the tree layouts of :func:`build_examples`
+STRUCTURES = ("parse", "parse_brackets", "parse_nodes", "parse_bottom_up", "windows")
 NUM_CLASSES = 10
 #: the deepest nesting :class:`ListOpsClassifier`'s ``nesting_embedding`` tells apart
 MAX_NESTING = 16
@@ -499,8 +510,9 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
     """
     from ..builders.windows import hopping_window_tree
 
-    if structure not in ("parse", "parse_brackets", "parse_nodes", "windows"):
-        raise ValueError(f"unknown structure {structure!r}")
+    if structure not in STRUCTURES:
+        raise ValueError(f"unknown structure {structure!r}; choose from {STRUCTURES}")
+    node_tokens = structure in ("parse_nodes", "parse_bottom_up")
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, (tuple, list)) or len(row) != 2:
@@ -522,19 +534,24 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
             tree.y = torch.tensor([parsed.value], dtype=torch.long)
         else:
             tree = listops_tree(parsed, brackets=structure == "parse_brackets",
-                                node_tokens=structure == "parse_nodes")
+                                node_tokens=node_tokens)
             del tree.depth
         keep_close = structure in ("parse_brackets", "windows")
         kept = parsed.level if keep_close else parsed.level[parsed.tokens != CLOSE]
-        if structure == "parse_nodes":  # a node token sits where its operator is
+        if structure == "parse_bottom_up":
+            is_open = (parsed.tokens >= 10) & (parsed.tokens < CLOSE)
+            height = _operator_heights(parsed, is_open)[parsed.tokens != CLOSE]
+        if node_tokens:  # a node token sits where its operator is, just before it
             kept_tokens = parsed.tokens[parsed.tokens != CLOSE]
             kept_parent = parsed.parent[parsed.tokens != CLOSE]
             nested = np.flatnonzero((kept_tokens >= 10) & (kept_parent >= 0))
             kept = np.insert(kept, nested, kept[nested])
+            if structure == "parse_bottom_up":  # a node token is copied, not computed
+                tree.update_layer = torch.from_numpy(np.insert(height, nested, 0))
         tree.nesting = torch.from_numpy(kept.astype(np.int64))
         if nested_targets:
             _attach_nested_targets(tree, parsed, keep_close=keep_close,
-                                   node_tokens=structure == "parse_nodes")
+                                   node_tokens=node_tokens)
         out.append(tree)
     return out
 
@@ -708,6 +725,18 @@ def _file_examples(path: Union[str, os.PathLike], rows: Sequence[Tuple[str, int]
         raise
 
 
+def _check_bottom_up_depth(trees: Sequence[Any], layers: int, where: Any) -> None:
+    """Refuse ``parse_bottom_up`` trees (``update_layer``; others pass) whose operators
+    nest deeper than the model's ``layers``: one layer composes one level."""
+    height = max((int(t.update_layer.max()) for t in trees
+                  if getattr(t, "update_layer", None) is not None and t.update_layer.numel()),
+                 default=0)
+    if height > layers:
+        raise ValueError(f"hsa-tree-bottom-up composes one level of operators per layer: "
+                         f"{where} nests operators {height} deep, so the model needs "
+                         f"layers >= {height}, got {layers}")
+
+
 def _split_examples(config: ListOpsConfig, split: str, rows: Sequence[Tuple[str, int]],
                     structure: str, nested_targets: bool) -> List[Any]:
     if config.data_dir is None:
@@ -867,6 +896,9 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                 for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
+        for split, trees in sets.items():
+            _check_bottom_up_depth(trees, config.layers if structure == "parse_bottom_up"
+                                   else 0, split)
         for seed in range(config.first_seed, config.first_seed + config.seeds):
             torch.manual_seed(seed)
             try:
@@ -1059,6 +1091,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
     if not rows:
         raise ValueError(f"{data} holds no examples")
     examples = _file_examples(data, rows, VARIANTS[variant][0], nested_targets=nested)
+    _check_bottom_up_depth(examples, len(model.classifier.encoder.layers)
+                           if VARIANTS[variant][0] == "parse_bottom_up" else 0, data)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device,
                        predictions=True)
     breakdown = accuracy_breakdown(metrics.pop("predictions"), rows)

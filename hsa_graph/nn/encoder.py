@@ -15,7 +15,7 @@ the paper) goes to every layer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -110,9 +110,12 @@ class HierarchicalTransformerEncoderLayer(Module):
         self.norm.reset_parameters()
         reset(self.ffn)
 
-    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
-        """``[N, C] -> [N, C]``."""
-        h = self.norm(self.attn(x, tree, pos))
+    def forward(self, x: Tensor, tree, pos: PositionInput = None,
+                rows: Optional[Tensor] = None) -> Tensor:
+        """``[N, C] -> [N, C]``; with ``rows`` (leaf row indices) the outputs of those
+        rows alone, ``[R, C]`` (the attention still reads every row)."""
+        h = self.attn(x, tree, pos)
+        h = self.norm(h if rows is None else h[rows])
         return h + F.dropout(self.ffn(h), self.dropout, self.training)
 
     def __repr__(self) -> str:
@@ -175,10 +178,15 @@ class HSATransformerEncoderLayer(Module):
         self.norm2.reset_parameters()
         reset(self.ffn)
 
-    def forward(self, x: Tensor, tree, pos: PositionInput = None) -> Tensor:
-        """``[N, C] -> [N, C]``."""
+    def forward(self, x: Tensor, tree, pos: PositionInput = None,
+                rows: Optional[Tensor] = None) -> Tensor:
+        """``[N, C] -> [N, C]``; with ``rows`` (leaf row indices) the outputs of those
+        rows alone, ``[R, C]`` (the attention still reads every row)."""
         check_features(self, x)
-        x = x + F.dropout(self.attn(self.norm1(x), tree, pos), self.dropout, self.training)
+        h = self.attn(self.norm1(x), tree, pos)
+        if rows is not None:
+            x, h = x[rows], h[rows]
+        x = x + F.dropout(h, self.dropout, self.training)
         return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
     def __repr__(self) -> str:
@@ -214,6 +222,30 @@ def _mirror_rows(tree, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     return rows, source_rows
 
 
+def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[Tensor]]]:
+    """For each layer, the leaf rows that take its output (``None`` where none does),
+    from ``tree``'s ``update_layer`` (one host read per forward), or ``None`` where the
+    tree has none."""
+    schedule = getattr(tree, "update_layer", None)
+    if schedule is None:
+        return None
+    if not isinstance(schedule, Tensor) or schedule.dtype != torch.long or (
+            schedule.shape != (x.shape[0],)):
+        raise ValueError(f"update_layer must be a long tensor [N] = [{x.shape[0]}] (one "
+                         f"layer per leaf), got {getattr(schedule, 'dtype', type(schedule))} "
+                         f"{tuple(getattr(schedule, 'shape', ()))}")
+    schedule = schedule.to(x.device)
+    counts = torch.bincount(schedule.clamp(-1, num_layers + 1) + 1, minlength=num_layers + 3)
+    counts = counts.tolist()
+    if counts[0] or counts[-1]:
+        bad = schedule[(schedule < 0) | (schedule > num_layers)][0].item()
+        raise ValueError(f"update_layer must lie in 0..{num_layers} (the encoder's layers; "
+                         f"0: the leaf keeps its input), got {bad}")
+    # the rows of each layer's turn: one stable sort, split by the counts
+    turns = torch.argsort(schedule, stable=True).split(counts[1:-1])[1:]
+    return [rows if rows.numel() else None for rows in turns]
+
+
 class HierarchicalTransformerEncoder(Module):
     r"""A stack of HSA transformer layers over the leaves of a nested signal.
 
@@ -234,6 +266,18 @@ class HierarchicalTransformerEncoder(Module):
     The leaf outputs can be read out with :mod:`hsa_graph.nn.pool`: one vector per
     tree (:func:`~hsa_graph.nn.global_leaf_pool`) or per node, internal nodes
     included (:func:`~hsa_graph.nn.subtree_pool`).
+
+    Layer schedule: a tree with ``update_layer`` (``[N]`` long, one entry per leaf, in
+    ``0 .. num_layers``) has leaf ``i`` take the output of layer ``update_layer[i]``
+    alone and keep its features through every other layer (``0``: its input, for
+    good); a layer's attention reads every row, its residual, norms and feed-forward
+    network run on the rows of its turn alone, and a layer whose turn no leaf has is
+    skipped. Each leaf is then computed once,
+    by the layer its place in the tree names, from what the others hold at that point:
+    e.g. a ListOps operator token at its operator's height, with shared weights and
+    node tokens, so that every operator is composed once, deepest first, from its
+    arguments' final vectors (the ``hsa-tree-bottom-up`` variant of
+    :mod:`hsa_graph.experiments.listops`), every layer still HSA over the whole tree.
 
     Args:
         channels: leaf feature size ``C``.
@@ -307,8 +351,15 @@ class HierarchicalTransformerEncoder(Module):
         features = (encoder.features(target) if encoder is not None and target is not None
                     and self.layers[0].attn.induce is None else None)
         mirrors = _mirror_rows(tree, x)
-        for layer in self.layers:
-            x = layer(x, tree, features)
+        # len(self.layers): with shared weights one module is repeated
+        turns = _update_layers(tree, x, len(self.layers))
+        for t, layer in enumerate(self.layers):
+            if turns is None:
+                x = layer(x, tree, features)
+            elif turns[t] is not None:
+                x = x.index_copy(0, turns[t], layer(x, tree, features, rows=turns[t]))
+            else:
+                continue
             if mirrors is not None:
                 x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)

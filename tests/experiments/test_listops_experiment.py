@@ -826,3 +826,61 @@ def test_node_tokens_carry_a_nested_operator_that_its_subtree_mean_cannot():
         with torch.no_grad():       # the root operator's token is each tree's first leaf
             roots = [model.encode(Batch.from_data_list([t]))[0] for t in trees]
         assert torch.allclose(roots[0], roots[1]) != differs, variant
+
+
+# ------------------------------------------------------------------ bottom-up schedule
+def _heights_by_hand(expr):
+    """Each word's update layer by a bracket matcher: an operator's height (1 over digits
+    only), 0 for a digit; ``]`` dropped."""
+    words, heights, opens = expr.split(), {}, []
+    for t, w in enumerate(words):
+        if w.startswith("["):
+            opens.append([t, 1])
+        elif w == "]":
+            start, h = opens.pop()
+            heights[start] = h
+            if opens:
+                opens[-1][1] = max(opens[-1][1], h + 1)
+    return [heights.get(t, 0) for t, w in enumerate(words) if w != "]"]
+
+
+def test_bottom_up_examples_schedule_each_operator_at_its_height():
+    rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MIN 5 [SM 3 4 ] ]", 5),
+            ("7", 7)]
+    trees = build_examples(rows, "parse_bottom_up")
+    # x: [SM [MAX [MAX 2 9 [MIN [MIN 4 7 0 [MED [MED 1 2 3: each node token (copied) 0
+    assert trees[0].update_layer.tolist() == [3, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
+    assert trees[1].update_layer.tolist() == [2, 0, 0, 1, 0, 0]
+    assert trees[2].update_layer.tolist() == [0]
+    rows += [(e, v) for e, v in generate_listops(40, seed=3, max_depth=5, max_args=4,
+                                                 min_length=3, max_length=60)]
+    nodes = build_examples(rows, "parse_nodes")
+    for tree, plain, (expr, _) in zip(build_examples(rows, "parse_bottom_up"), nodes, rows):
+        for key in ("x", "nesting", "mirror_index", "mirror_source_index", "edge_index",
+                    "position"):
+            assert torch.equal(tree[key], plain[key]), key
+        # node tokens removed, the rest is each word's height
+        row = {int(n): i for i, n in enumerate(tree.leaf_index)}
+        copied = {row[int(n)] for n in tree.mirror_index}
+        assert all(tree.update_layer[i] == 0 for i in copied)
+        assert [h for i, h in enumerate(tree.update_layer.tolist()) if i not in copied] == \
+            _heights_by_hand(expr)
+
+
+def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path):
+    spec = {**TINY, "seeds": 1, "layers": 2, "share_weights": True, "pool": "first",
+            "include_self": True, "pos_dim": None, "layer": "pre_norm"}
+    result = run_listops(ListOpsConfig(variants=("hsa-tree-bottom-up",),
+                                       output_dir=str(tmp_path), **spec))
+    run, = result["runs"]
+    assert run["variant"] == "hsa-tree-bottom-up" and len(run["history"]) == 2
+    data = generate_listops_test_file(tmp_path, result)
+    metrics = evaluate_checkpoint(run["checkpoint"], str(data))
+    assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
+    # one level per layer: deeper data than layers is refused, naming both
+    with pytest.raises(ValueError, match="train nests operators 2 deep.*layers >= 2, got 1"):
+        run_listops(ListOpsConfig(variants=("hsa-tree-bottom-up",), **{**spec, "layers": 1}))
+    deep = write_listops_tsv(tmp_path / "deep.tsv",
+                             [("[MAX 1 [MIN 2 [MAX 3 [MIN 4 5 ] ] ] ]", 2)])
+    with pytest.raises(ValueError, match="deep.tsv nests operators 4 deep.*got 2"):
+        evaluate_checkpoint(run["checkpoint"], str(deep))

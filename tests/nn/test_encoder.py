@@ -112,21 +112,39 @@ def test_baselines_on_the_same_code_path(layer):
     assert not torch.allclose(hier(x2, tree)[0], hier(x, tree)[0])
 
 
-@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
-def test_node_tokens_take_their_source_s_features_after_every_layer(layer):
+def _node_token_case(layer, num_layers, seed, schedule=None):
+    """Three ListOps trees with node tokens as one batch (``schedule``: the update layers
+    each leaf draws from), an encoder in float64, inputs, and the leaf rows of the node
+    tokens and of their sources, found by hand (a node's leaf row is its place among
+    the leaves, in node order)."""
     from hsa_graph.datasets.listops import listops_tree
 
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     trees = [listops_tree(e, node_tokens=True) for e in (
         "[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", "[MIN 5 [SM 3 4 ] ]", "[MAX 1 2 ]")]
+    if schedule is not None:
+        for t in trees:
+            t.update_layer = torch.tensor(schedule)[torch.randint(len(schedule),
+                                                                  (t.num_leaves,))]
     batch = Batch.from_data_list(trees)
-    encoder = HierarchicalTransformerEncoder(6, 3, heads=2, layer=layer, pos_dim=2).to(DT)
+    encoder = HierarchicalTransformerEncoder(6, num_layers, heads=2, layer=layer,
+                                             pos_dim=2).to(DT)
     randomise_norms(encoder)
     x = torch.randn(batch.num_leaves, 6, dtype=DT)
-    # by hand: a node's leaf row is its place among the leaves, in node order
     leaves = batch.is_leaf.nonzero().view(-1).tolist()
     rows = [leaves.index(u) for u in batch.mirror_index.tolist()]
     sources = [leaves.index(u) for u in batch.mirror_source_index.tolist()]
+    return trees, batch, encoder, x, rows, sources
+
+
+def _tree_by_tree(encoder, x, trees):
+    starts = torch.tensor([0] + [t.num_leaves for t in trees]).cumsum(0).tolist()
+    return torch.cat([encoder(x[a:a + t.num_leaves], t) for a, t in zip(starts, trees)])
+
+
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_node_tokens_take_their_source_s_features_after_every_layer(layer):
+    trees, batch, encoder, x, rows, sources = _node_token_case(layer, 3, 5)
     assert len(rows) == 4
     h = x
     for block in encoder.layers:
@@ -137,9 +155,7 @@ def test_node_tokens_take_their_source_s_features_after_every_layer(layer):
     torch.testing.assert_close(out, expected, **TOL)
     torch.testing.assert_close(out[rows], out[sources], **TOL)
     # trees one by one: the same rows (batching offsets the node ids)
-    alone = torch.cat([encoder(x[a:a + t.num_leaves], t) for a, t in zip(
-        torch.tensor([0] + [t.num_leaves for t in trees]).cumsum(0).tolist(), trees)])
-    torch.testing.assert_close(out, alone, **TOL)
+    torch.testing.assert_close(out, _tree_by_tree(encoder, x, trees), **TOL)
     # without the node tokens' attributes the same leaves are plain tokens
     del batch.mirror_index, batch.mirror_source_index
     assert not torch.allclose(encoder(x, batch), out)
@@ -163,6 +179,50 @@ def test_node_token_attributes_are_checked():
         bad.mirror_index = index
         if source is not None:
             bad.mirror_source_index = source
+        with pytest.raises(ValueError, match=match):
+            encoder(x, bad)
+
+
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_update_layer_has_each_leaf_take_one_layer_s_output(layer):
+    # layer 3 of 4 is nobody's turn
+    trees, batch, encoder, x, rows, sources = _node_token_case(layer, 4, 6, [0, 1, 2, 4])
+    step = batch.update_layer.tolist()
+    h = x.clone()
+    for t, block in enumerate(encoder.layers, 1):   # by hand, row by row
+        out = block(h, batch)
+        for i in range(len(step)):
+            if step[i] == t:
+                h[i] = out[i]
+        h[rows] = h[sources]
+    expected = h if encoder.norm is None else encoder.norm(h)
+    calls = []
+    handles = [b.register_forward_hook(lambda m, a, o, t=t: calls.append(t))
+               for t, b in enumerate(encoder.layers, 1)]
+    out = encoder(x, batch)
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(out, expected, **TOL)
+    assert calls == [1, 2, 4]                       # the idle layer is skipped
+    kept = [i for i in range(len(step)) if step[i] == 0 and i not in rows]
+    assert kept and torch.equal(h[kept], x[kept])    # 0: the input, for good
+    torch.testing.assert_close(out, _tree_by_tree(encoder, x, trees), **TOL)
+    # without the schedule every leaf takes every layer's output: another result
+    del batch.update_layer
+    assert not torch.allclose(encoder(x, batch), out)
+
+
+def test_update_layer_is_checked():
+    tree = NestedSignal.from_parents(PARENT)
+    encoder = HierarchicalTransformerEncoder(4, 2)
+    x = torch.randn(N_LEAVES, 4)
+    for schedule, match in [(torch.ones(N_LEAVES), "long tensor"),
+                            (torch.ones(N_LEAVES - 1, dtype=torch.long), r"\[N\] = \[7\]"),
+                            ([1] * N_LEAVES, "long tensor"),
+                            (torch.tensor([0, 1, 2, 3, 0, 0, 0]), "0..2.*got 3"),
+                            (torch.tensor([0, 1, -1, 0, 0, 0, 0]), "0..2.*got -1")]:
+        bad = tree.clone()
+        bad.update_layer = schedule
         with pytest.raises(ValueError, match=match):
             encoder(x, bad)
 
