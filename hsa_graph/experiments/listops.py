@@ -726,11 +726,9 @@ def _file_examples(path: Union[str, os.PathLike], rows: Sequence[Tuple[str, int]
 
 
 def _check_bottom_up_depth(trees: Sequence[Any], layers: int, where: Any) -> None:
-    """Refuse ``parse_bottom_up`` trees (``update_layer``; others pass) whose operators
-    nest deeper than the model's ``layers``: one layer composes one level."""
-    height = max((int(t.update_layer.max()) for t in trees
-                  if getattr(t, "update_layer", None) is not None and t.update_layer.numel()),
-                 default=0)
+    """Refuse ``parse_bottom_up`` trees whose operators (``update_layer``) nest deeper
+    than the model's ``layers``: one layer composes one level."""
+    height = max((int(t.update_layer.max()) for t in trees), default=0)
     if height > layers:
         raise ValueError(f"hsa-tree-bottom-up composes one level of operators per layer: "
                          f"{where} nests operators {height} deep, so the model needs "
@@ -896,9 +894,9 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                 for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
-        for split, trees in sets.items():
-            _check_bottom_up_depth(trees, config.layers if structure == "parse_bottom_up"
-                                   else 0, split)
+        if structure == "parse_bottom_up":
+            for split, trees in sets.items():
+                _check_bottom_up_depth(trees, config.layers, split)
         for seed in range(config.first_seed, config.first_seed + config.seeds):
             torch.manual_seed(seed)
             try:
@@ -1091,8 +1089,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
     if not rows:
         raise ValueError(f"{data} holds no examples")
     examples = _file_examples(data, rows, VARIANTS[variant][0], nested_targets=nested)
-    _check_bottom_up_depth(examples, len(model.classifier.encoder.layers)
-                           if VARIANTS[variant][0] == "parse_bottom_up" else 0, data)
+    if VARIANTS[variant][0] == "parse_bottom_up":
+        _check_bottom_up_depth(examples, len(model.classifier.encoder.layers), data)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device,
                        predictions=True)
     breakdown = accuracy_breakdown(metrics.pop("predictions"), rows)

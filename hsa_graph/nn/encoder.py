@@ -272,12 +272,12 @@ class HierarchicalTransformerEncoder(Module):
     alone and keep its features through every other layer (``0``: its input, for
     good); a layer's attention reads every row, its residual, norms and feed-forward
     network run on the rows of its turn alone, and a layer whose turn no leaf has is
-    skipped. Each leaf is then computed once,
-    by the layer its place in the tree names, from what the others hold at that point:
-    e.g. a ListOps operator token at its operator's height, with shared weights and
-    node tokens, so that every operator is composed once, deepest first, from its
-    arguments' final vectors (the ``hsa-tree-bottom-up`` variant of
-    :mod:`hsa_graph.experiments.listops`), every layer still HSA over the whole tree.
+    skipped. Each leaf is then computed once, by the layer its place in the tree
+    names, from what the others hold at that point: e.g. a ListOps operator token at
+    its operator's height, with shared weights and node tokens, so that every operator
+    is composed once, deepest first, from its arguments' final vectors (the
+    ``hsa-tree-bottom-up`` variant of :mod:`hsa_graph.experiments.listops`), every
+    layer still HSA over the whole tree.
 
     Args:
         channels: leaf feature size ``C``.
@@ -356,10 +356,10 @@ class HierarchicalTransformerEncoder(Module):
         for t, layer in enumerate(self.layers):
             if turns is None:
                 x = layer(x, tree, features)
-            elif turns[t] is not None:
-                x = x.index_copy(0, turns[t], layer(x, tree, features, rows=turns[t]))
-            else:
+            elif turns[t] is None:  # nobody's turn: nothing changes
                 continue
+            else:
+                x = x.index_copy(0, turns[t], layer(x, tree, features, rows=turns[t]))
             if mirrors is not None:
                 x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)
