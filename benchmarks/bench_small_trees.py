@@ -22,9 +22,17 @@ each size, in one process and interleaved:
   backward it is autograd over those ops, which the library's fused backward can beat.
 
 Forward (under ``torch.no_grad``) and forward + backward (``y.square().sum()``), the
-median of ``--repeats`` calls after a warm-up. Goals: hsa no slower than flat at 64
-leaves and above, within 3x of the floor, and within 1.5x of flat at 16 leaves (one
-family per tree, where HSA is flat attention plus bookkeeping).
+median of ``--repeats`` calls after a warm-up.
+
+A second table times the two kernels the library has for the family softmax on the
+leaf families of a batch (256 families of 16 leaves x 4 heads, token-major rows), the
+choice ``_small_families`` makes: PyTorch's fused CPU kernel (``fused``) and batched
+matmuls one head at a time (``batched``), forward and forward + backward (each kernel's
+own backward, given random upstream gradients of the output and the log-sum-exp).
+
+Goals: hsa no slower than flat at 64 leaves and above, within 3x of the floor, and
+within 1.5x of flat at 16 leaves (one family per tree, where HSA is flat attention plus
+bookkeeping).
 
 Run: ``python benchmarks/bench_small_trees.py`` (writes
 ``benchmarks/results/bench_small_trees.{md,json}``; ``--quick``: fewer repeats).
@@ -135,6 +143,34 @@ def workloads(n: int, backward: bool) -> Dict[str, Callable[[], object]]:
     return {name: run(op) for name, op in ops.items()}
 
 
+def family_kernels(backward: bool) -> Dict[str, Callable[[], object]]:
+    """The family softmax of 256 families of 16 leaves through each kernel (see the
+    module docstring), without autograd: the backward is each kernel's own."""
+    from hsa_graph.ops.hsa import (
+        _batched_family_attention,
+        _batched_family_attention_backward,
+        _family_attention_forward,
+        _family_attention_grads,
+    )
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(TOTAL, H, D, generator=gen).view(TOTAL // 16, 16, H, D)
+                      .transpose(1, 2) for _ in range(4))
+    d_lse = torch.randn(TOTAL // 16, H, 16, generator=gen)
+    needs = (True, True, True)
+
+    def fused():
+        out, lse = _family_attention_forward(q, k, v, None, D ** -0.5)
+        if backward:
+            _family_attention_grads(q, k, v, None, out, lse, d_out, d_lse, D ** -0.5, needs)
+
+    def batched():
+        out, lse, p = _batched_family_attention(q, k, v, None, D ** -0.5)
+        if backward:
+            _batched_family_attention_backward(q, k, v, p, d_out, d_lse, D ** -0.5, needs)
+
+    return {"fused": fused, "batched": batched}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -145,7 +181,7 @@ def main(argv=None) -> int:
     sizes = [16, 64] if args.quick else SIZES
     repeats = 5 if args.quick else args.repeats
     load_start = os.getloadavg()[0]
-    rows = []
+    rows, kernels = [], []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n in sizes:
@@ -156,6 +192,11 @@ def main(argv=None) -> int:
                 print(f"  {threads}t n={n} {rows[-1]['pass']}: hsa {ms['hsa']:.2f} ms, "
                       f"flat {ms['flat']:.2f}, floor {ms['floor']:.2f}, "
                       f"passes {ms['passes']:.2f}", file=sys.stderr)
+        for backward in (False, True):
+            with torch.no_grad():
+                ms = median_ms(family_kernels(backward), repeats)
+            kernels.append({"threads": threads, "pass": "fwd+bwd" if backward else "fwd",
+                            **ms})
     meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_start": load_start, "load_end": os.getloadavg()[0],
@@ -172,6 +213,12 @@ def main(argv=None) -> int:
                      f"{r['hsa']:.2f} | {r['flat']:.2f} | {r['floor']:.2f} | {r['passes']:.2f} | "
                      f"{r['hsa'] / r['flat']:.2f} | {r['hsa'] / r['floor']:.2f} | "
                      f"{r['passes'] / r['flat']:.2f} |")
+    lines += ["", "Family softmax of 256 families of 16 leaves x 4 heads (D = 64), per kernel:",
+              "", "| threads | pass | fused ms | batched ms | batched / fused |",
+              "|---|---|---|---|---|"]
+    for r in kernels:
+        lines.append(f"| {r['threads']} | {r['pass']} | {r['fused']:.2f} | "
+                     f"{r['batched']:.2f} | {r['batched'] / r['fused']:.2f} |")
     table = "\n".join(lines)
     print(table)
     if not args.quick:
@@ -179,7 +226,7 @@ def main(argv=None) -> int:
         (args.out / "bench_small_trees.md").write_text(
             "# hsa on small trees vs flat attention per tree\n\n" + table + "\n")
         (args.out / "bench_small_trees.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1))
+            json.dumps({"meta": meta, "rows": rows, "kernels": kernels}, indent=1))
     return 0
 
 

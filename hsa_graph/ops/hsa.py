@@ -78,6 +78,101 @@ def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
     return (lam.masked_fill(both, 0.0) - total.masked_fill(both, 0.0))
 
 
+#: Largest family (queries or keys) and bucket (bytes of ``q``) that
+#: :func:`_small_families` sends through batched matmuls: the logits ``P`` of a family
+#: of 16 take a quarter of its queries' bytes at ``D = 64``, and past a few MiB they
+#: would be fresh mappings whose pages fault in on every call, where the fused kernel
+#: forms no logits at all.
+_SMALL_FAMILY = 16
+_SMALL_BUCKET_BYTES = 16 << 20
+
+
+def _small_families(q: Tensor, k: Tensor, records: bool) -> bool:
+    r"""Whether a bucket's family softmax runs as batched matmuls
+    (:func:`_batched_family_attention`) instead of the fused CPU kernel: CPU buckets of
+    families of at most :data:`_SMALL_FAMILY` queries and keys and at most
+    :data:`_SMALL_BUCKET_BYTES` of queries, where autograd records (the fused backward
+    costs about as much for families of 16 as for families of 64), or where the
+    forward has more than one thread (the fused forward on families of 16 runs no
+    faster at 2 threads than at 1; the matmuls do). Measured on 256 families of 16
+    leaves x 4 heads x D = 64, float32, token-major rows, 2 cores, medians of 40
+    calls: forward + backward 11.1 ms against 17.3 ms for the fused kernels at 1
+    thread, 9.5 against 9.8 at 2; forward 1.3 against 2.1 ms at 2 threads, but 2.2
+    against 1.5 at 1 thread, where the fused kernel stays."""
+    return (q.device.type == "cpu" and max(q.shape[2], k.shape[2]) <= _SMALL_FAMILY
+            and q.numel() * q.element_size() <= _SMALL_BUCKET_BYTES
+            and (records or (not torch.compiler.is_compiling()       # (a graph break)
+                             and torch.get_num_threads() > 1)))
+
+
+def _batched_family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                              scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Softmax attention inside small families as batched matmuls, one head at a time
+    over the rows as they lie (``q[:, h]`` is a ``[F, b, D]`` strided batch of
+    matrices, which the matmul reads in place: no head-major copy of ``q, k, v``).
+    Returns ``(o [F, H, b, Dv], l [F, H, b], P [H, F, b, c])`` for ``b`` queries and
+    ``c`` keys per family, ``o`` in token-major memory as the fused kernel writes it.
+    The heads' products share one scratch of a head's size: the fewer fresh buffers a
+    call takes, the fewer pages fault in (:ref:`performance`). A row whose every key is
+    masked gets ``o = 0``, ``l = -inf`` and ``P = 0``."""
+    f, h, b, c = *q.shape[:3], k.shape[2]
+    logits = q.new_empty((h, f, b, c))
+    for i in range(h):
+        torch.bmm(q[:, i], k[:, i].transpose(1, 2), out=logits[i])
+    logits.mul_(scale)
+    if bias is not None:
+        logits.add_(bias[(None,) * (4 - bias.dim())].transpose(0, 1))
+    # the softmax in place, its log-sum-exp from the row sums (a quarter fewer passes
+    # than logsumexp and a softmax after it)
+    top = logits.amax(-1, keepdim=True)
+    p = logits.sub_(top.masked_fill(top == NEG_INF, 0.0)).exp_()
+    total = p.sum(-1, keepdim=True)
+    p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
+    lse = total.log_().add_(top)
+    out = q.new_empty((f, b, h, v.shape[-1])).transpose(1, 2)
+    scratch = q.new_empty((f, b, v.shape[-1]))
+    for i in range(h):
+        out[:, i].copy_(torch.bmm(p[i], v[:, i], out=scratch))
+    return out, lse.squeeze(-1).transpose(0, 1), p
+
+
+def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor,
+                                       d_out: Optional[Tensor], d_lse: Optional[Tensor],
+                                       scale: float, needs: Tuple[bool, ...]
+                                       ) -> List[Optional[Tensor]]:
+    r"""``dq, dk, dv`` of :func:`_batched_family_attention` from its ``P``, one head at
+    a time as its forward: :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(P \odot
+    dO\, v^\top) + d\ell)`, :math:`dq = s\, dS\, k`, :math:`dk = s\, dS^\top q`,
+    :math:`dv = P^\top dO`, written into gradients with the strides of ``q, k, v``
+    (``None`` where ``needs`` says so)."""
+    grads = [torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs[:3])]
+    # one head's rows of each gradient's shape
+    scratch = {t[:, 0].shape: t.new_empty(t[:, 0].shape)
+               for t, g in zip((q, k, v), grads) if g is not None}
+    d_lse = None if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)   # [H, F, b, 1]
+    if d_out is None:  # only the log-sum-exp's gradient: dS = P d_lse
+        ds = p * d_lse
+    else:
+        ds = torch.empty_like(p)
+        for i in range(q.shape[1]):
+            torch.bmm(d_out[:, i], v[:, i].transpose(1, 2), out=ds[i])          # dO v^T
+            if grads[2] is not None:
+                grads[2][:, i].copy_(torch.bmm(p[i].transpose(1, 2), d_out[:, i],
+                                               out=scratch[v[:, 0].shape]))
+        delta = (ds * p).sum(-1, keepdim=True)
+        if d_lse is not None:
+            delta.sub_(d_lse)
+        ds.sub_(delta).mul_(p)
+    ds.mul_(scale)
+    for i in range(q.shape[1]):
+        if grads[0] is not None:
+            grads[0][:, i].copy_(torch.bmm(ds[i], k[:, i], out=scratch[q[:, 0].shape]))
+        if grads[1] is not None:
+            grads[1][:, i].copy_(torch.bmm(ds[i].transpose(1, 2), q[:, i],
+                                           out=scratch[k[:, 0].shape]))
+    return grads
+
+
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                               scale: float) -> Tuple[Tensor, Tensor]:
     """Softmax attention and its log-sum-exp, through :func:`cpu_flash_attention` where
@@ -108,18 +203,25 @@ class _FamilyAttention(torch.autograd.Function):
     dv`` in place, so that each of ``q, k, v`` receives one full-size gradient from
     this bucket instead of two that autograd adds into a third.
 
-    The backward recomputes :math:`P = e^{S - \ell}` instead of saving the logits and
-    takes the gradient of :math:`\ell` too:
-    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`
-    (through :func:`~hsa_graph.ops.flash.cpu_flash_attention_backward` where it
-    applies).
+    The backward takes the gradient of :math:`\ell` too:
+    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`.
+    Small families (:func:`_small_families`) run as batched matmuls and save
+    :math:`P` (``b <= 16``: at most a quarter of the queries' bytes at ``D = 64``);
+    the others run the fused kernel and recompute :math:`P = e^{S - \ell}` (through
+    :func:`~hsa_graph.ops.flash.cpu_flash_attention_backward` where it applies).
+    ``records``: whether autograd records the call (inside ``forward`` grad mode is
+    off, so the caller says so; :func:`_family_attention` does).
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float,
-                family_sums: bool = False):
-        out, lse = _family_attention_forward(q, k, v, bias, scale)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+                family_sums: bool = False, records: bool = False):
+        p = None
+        if _small_families(q, k, records):
+            out, lse, p = _batched_family_attention(q, k, v, bias, scale)
+        else:
+            out, lse = _family_attention_forward(q, k, v, bias, scale)
+        ctx.save_for_backward(q, k, v, bias, out, lse, p if records else None)
         ctx.scale = scale
         if not family_sums:
             return out, lse
@@ -127,7 +229,7 @@ class _FamilyAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor], *d_sums):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, p = ctx.saved_tensors
         if d_out is not None:
             d_out = d_out.contiguous() if 0 in d_out.stride() else d_out  # stride-0 sums
         needs = ctx.needs_input_grad
@@ -143,13 +245,23 @@ class _FamilyAttention(torch.autograd.Function):
                      for g in zip(*heads)]
             grads = [g if g is None or d is None else g + d.unsqueeze(2)
                      for g, d in zip(grads, d_sums)]
-            return (*grads, None, None, None)
-        grads = _family_attention_grads(q, k, v, bias, out, lse, d_out, d_lse, ctx.scale,
-                                        needs)
+            return (*grads, None, None, None, None)
+        if p is not None:
+            grads = _batched_family_attention_backward(q, k, v, p, d_out, d_lse, ctx.scale,
+                                                       needs)
+        else:
+            grads = _family_attention_grads(q, k, v, bias, out, lse, d_out, d_lse,
+                                            ctx.scale, needs)
         grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
                  for g, d in zip(grads, d_sums)]
         return (*(g if need else None for g, need in zip(grads, needs[:3])),
-                None, None, None)
+                None, None, None, None)
+
+
+def _family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float,
+                      family_sums: bool = False) -> Tuple[Tensor, ...]:
+    """:class:`_FamilyAttention`, told whether autograd records the call."""
+    return _FamilyAttention.apply(q, k, v, bias, scale, family_sums, records_grad(q, k, v))
 
 
 def _family_attention_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -275,7 +387,7 @@ def _leaf_gather_families_recorded(st: TreeStructure, indices: Tuple[int, ...],
     for index in indices:
         bucket = st.buckets[index]
         members = [st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)]
-        results += _FamilyAttention.apply(*members, _bucket_bias(bucket, include_self,
+        results += _family_attention(*members, _bucket_bias(bucket, include_self,
                                                                  q.dtype), scale)
     return results + [st.to_internal(t) for t in (q, k, v)[:num_sums]]
 
@@ -446,7 +558,7 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         keeps, and the shares and values of the internal members, as the batched
         matmul takes them."""
         q, n = q_l[part], q_l[part].shape[0]
-        out, own = _FamilyAttention.apply(heads(q), heads(k_w[part]), heads(v_w[part]),
+        out, own = _family_attention(heads(q), heads(k_w[part]), heads(v_w[part]),
                                           mask, scale)
         out, own = heads(out), heads(own)
         logits = torch.bmm(q.reshape(n, n_l, -1), _block_diagonal(k_e[part].permute(0, 3, 1, 2)))
@@ -456,13 +568,13 @@ def _leaf_block_attention(bucket: FamilyBucket, leaf_members: Tuple[Tensor, ...]
         values = _block_diagonal(v_e[part].permute(0, 1, 3, 2))            # [n, HE, HDv]
         return out, lse, torch.exp(own - lse).unsqueeze(-1), share, values
 
-    out_e, lse_e = _FamilyAttention.apply(heads(q_e), heads(k_w), heads(v_w),
+    out_e, lse_e = _family_attention(heads(q_e), heads(k_w), heads(v_w),
                                           None if extra is None else extra[..., :n_e, :],
                                           scale)
     if n_e > 1:
         bias = log_n[:, None, None, :].expand(f, 1, n_e, n_e).clone()
         bias.diagonal(dim1=-2, dim2=-1).fill_(NEG_INF)
-        out_ee, lse_ee = _FamilyAttention.apply(heads(q_e), heads(k_e), heads(v_e), bias,
+        out_ee, lse_ee = _family_attention(heads(q_e), heads(k_e), heads(v_e), bias,
                                                 scale)
         both = _logaddexp(lse_e, lse_ee)
         out_e = (torch.exp(lse_e - both).unsqueeze(-1) * out_e
@@ -695,7 +807,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     first = {}
     if whole is not None:
         bucket = st.buckets[whole]
-        first[whole] = _FamilyAttention.apply(
+        first[whole] = _family_attention(
             *(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)),
             _bucket_bias(bucket, include_self, q.dtype), scale, True)
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
@@ -765,7 +877,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                                              (bq[1], bk[1], bv[1]), include_self, fscale,
                                              windows, into)
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
-            out, lse = _FamilyAttention.apply(
+            out, lse = _family_attention(
                 bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
                 _bucket_bias(bucket, include_self, q.dtype), fscale)
         if v is None or out is None:
