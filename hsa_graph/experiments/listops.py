@@ -30,6 +30,10 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
   arguments' final vectors by the same HSA block, as the recursive model composes,
   while each layer is still HSA over the whole tree; ``layers`` must reach the deepest
   nesting of the data (refused otherwise, naming both);
+* ``hsa-tree-bottom-up-family``: the same, each layer confined to the families of its
+  turn (the encoder's ``scope="family"``: an operator's token attends over its own
+  operator's subtree alone, its nested operators as their node tokens and their
+  subtrees as HSA's blocks): the recursive model's reach with HSA's blocks;
 * ``hsa-windows``: HSA on fixed hopping windows over the token sequence
   (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
 * ``fsa``: flat softmax attention over the tokens (positions: each token's index);
@@ -164,12 +168,15 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "hsa-tree-brackets": ("parse_brackets", "hierarchical"),
     "hsa-tree-nodes": ("parse_nodes", "hierarchical"),
     "hsa-tree-bottom-up": ("parse_bottom_up", "hierarchical"),
+    "hsa-tree-bottom-up-family": ("parse_bottom_up", "hierarchical"),
     "hsa-windows": ("windows", "hierarchical"),
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
     "h-transformer-1d": ("windows", "h-transformer-1d"),
     "tree-recursive": ("parse", "recursive"),
 }
+#: variants whose encoder confines each scheduled layer (the encoder's ``scope``)
+_SCOPES = {"hsa-tree-bottom-up-family": "family"}
 #: the tree layouts of :func:`build_examples`
 STRUCTURES = ("parse", "parse_brackets", "parse_nodes", "parse_bottom_up", "windows")
 NUM_CLASSES = 10
@@ -205,6 +212,9 @@ class ListOpsClassifier(Module):
             number of operators open around it, ``nesting``, capped at
             :data:`MAX_NESTING`) to its token embedding, so a token's value, not only
             its attention logits, can say at which depth it sits.
+        scope: what a scheduled layer attends over (see
+            :class:`~hsa_graph.nn.HierarchicalTransformerEncoder`): ``"tree"`` or
+            ``"family"``.
 
     Shapes:
         - **input:** a batch of trees with ``x`` ``[N]`` token ids (and ``nesting``
@@ -216,14 +226,15 @@ class ListOpsClassifier(Module):
                  layers: int = 10, layer: str = "hte", share_weights: bool = False,
                  hidden_channels: int = 128, pos_dim: Optional[int] = 8,
                  dropout: float = 0.0, pool: str = "mean", include_self: bool = False,
-                 nesting_embedding: bool = False):
+                 nesting_embedding: bool = False, scope: str = "tree"):
         super().__init__()
         self.embedding = Embedding(len(VOCAB), channels)
         self.nesting = Embedding(MAX_NESTING + 1, channels) if nesting_embedding else None
         self.classifier = TreeClassifier(
             channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
             attention=attention, num_layers=1 if share_weights else layers, layer=layer,
-            pos_dim=pos_dim, dropout=dropout, pool=pool, include_self=bool(include_self))
+            pos_dim=pos_dim, dropout=dropout, pool=pool, include_self=bool(include_self),
+            scope=scope)
         if share_weights:  # the same module `layers` times: one set of parameters
             self.classifier.encoder.layers = ModuleList(
                 [self.classifier.encoder.layers[0]] * layers)
@@ -444,7 +455,7 @@ def build_model(variant: str, **spec: Any) -> Module:
         return RecursiveListOpsClassifier(**{k: spec[k] for k in (
             "channels", "heads", "layers", "hidden_channels", "dropout") if k in spec})
     spec = {k: v for k, v in spec.items() if k != "max_length"}
-    return ListOpsClassifier(attention, **spec)
+    return ListOpsClassifier(attention, scope=_SCOPES.get(variant, "tree"), **spec)
 
 
 # ------------------------------------------------------------------ data

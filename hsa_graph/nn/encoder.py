@@ -246,6 +246,38 @@ def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[T
     return [rows if rows.numel() else None for rows in turns]
 
 
+#: what a scheduled layer attends over (:class:`HierarchicalTransformerEncoder`'s ``scope``)
+SCOPES = ("tree", "family")
+
+
+def _family_scope(tree, rows: Tensor):
+    """``tree`` cut above the parents of leaf rows ``rows``: each of those parents becomes
+    the root of its own tree, so that HSA confines the rows to their families' subtrees.
+    The leaves stay the same rows (a node cut off from every one of its children would
+    become a leaf: refused, naming it)."""
+    from ..signal import NestedSignal
+
+    parent = tree.parent.to(rows.device)
+    roots = parent[tree.leaf_index.to(rows.device)[rows]]
+    cut = parent.clone()
+    cut[roots] = -1
+    kept = torch.zeros_like(parent, dtype=torch.bool)
+    kept[cut[cut >= 0]] = True                       # nodes that still have a child
+    orphaned = ~kept & (torch.bincount(parent[parent >= 0], minlength=parent.numel()) > 0)
+    if bool(orphaned.any()):
+        node = int(orphaned.nonzero()[0])
+        raise ValueError(f"scope='family' cuts node {node} off every one of its children (they "
+                         f"are all parents of the layer's rows): it would become a leaf")
+    # the nodes keep their geometry, positions and modality tags (a cut root's position
+    # is a root's: none)
+    attrs = {name: getattr(tree, name) for name in ("geometry", "position", "modality")
+             if isinstance(getattr(tree, name, None), Tensor)}
+    if "position" in attrs:
+        attrs["position"] = attrs["position"].clone()
+        attrs["position"][roots.to(attrs["position"].device)] = -1
+    return NestedSignal.from_parents(cut, **attrs)
+
+
 class HierarchicalTransformerEncoder(Module):
     r"""A stack of HSA transformer layers over the leaves of a nested signal.
 
@@ -277,7 +309,10 @@ class HierarchicalTransformerEncoder(Module):
     its operator's height, with shared weights and node tokens, so that every operator
     is composed once, deepest first, from its arguments' final vectors (the
     ``hsa-tree-bottom-up`` variant of :mod:`hsa_graph.experiments.listops`), every
-    layer still HSA over the whole tree.
+    layer still HSA over the whole tree. With ``scope="family"`` a layer attends over
+    the tree cut above the parents of its turn's rows instead: each row sees its own
+    family's subtree alone (its siblings, and its siblings' subtrees as HSA's blocks),
+    nothing outside it.
 
     Args:
         channels: leaf feature size ``C``.
@@ -292,6 +327,9 @@ class HierarchicalTransformerEncoder(Module):
         pos_kwargs: arguments of :class:`~hsa_graph.geometry.PositionEncoder`
             shared by all layers (``dim``, ``kind``, ``sigma``, ``seed``, ``graph``,
             ``graph_dim``, ``bias``).
+        scope: with a layer schedule, what a layer's rows attend over: ``"tree"`` (the
+            whole tree) or ``"family"`` (their parents' subtrees; one tree built per
+            layer and forward, which needs the tree's ``parent`` and ``leaf_index``).
         **kwargs: further arguments of the layer (``ffn_channels``, ``act``,
             ``dropout``, ``num_modalities``, ``include_self``, ``head_channels``, ...).
 
@@ -315,8 +353,11 @@ class HierarchicalTransformerEncoder(Module):
 
     def __init__(self, channels: int, num_layers: int, heads: int = 1, *, layer: str = "hte",
                  attention: str = "hierarchical", pos_dim: Optional[int] = None,
-                 pos_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any):
+                 pos_kwargs: Optional[Dict[str, Any]] = None, scope: str = "tree",
+                 **kwargs: Any):
         super().__init__()
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if layer not in _LAYERS:
             raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
         if attention not in ATTENTIONS:
@@ -328,7 +369,7 @@ class HierarchicalTransformerEncoder(Module):
             # one field-name table for the whole stack: the raw features are shared
             pos_kwargs["field_names"] = FieldNameEmbedding(pos_kwargs.get("dim", 32))
         self.channels, self.num_layers, self.layer_type = channels, num_layers, layer
-        self.attention = attention
+        self.attention, self.scope = attention, scope
         self.layers = ModuleList([
             _LAYERS[layer](channels, heads, attention=attention, pos_dim=pos_dim,
                            pos_kwargs=pos_kwargs if pos_dim is not None else None, **kwargs)
@@ -353,11 +394,19 @@ class HierarchicalTransformerEncoder(Module):
         mirrors = _mirror_rows(tree, x)
         # len(self.layers): with shared weights one module is repeated
         turns = _update_layers(tree, x, len(self.layers))
+        if self.scope != "tree" and turns is None:
+            raise ValueError(f"scope={self.scope!r} confines a layer's rows: it needs a "
+                             f"layer schedule (the tree's update_layer)")
         for t, layer in enumerate(self.layers):
             if turns is None:
                 x = layer(x, tree, features)
             elif turns[t] is None:  # nobody's turn: nothing changes
                 continue
+            elif self.scope == "family":
+                scoped = _family_scope(tree, turns[t])
+                x = x.index_copy(0, turns[t], layer(
+                    x, scoped, None if features is None else encoder.features(scoped),
+                    rows=turns[t]))
             else:
                 x = x.index_copy(0, turns[t], layer(x, tree, features, rows=turns[t]))
             if mirrors is not None:
@@ -368,4 +417,5 @@ class HierarchicalTransformerEncoder(Module):
         first = self.layers[0].attn
         return (f"{self.__class__.__name__}({self.channels}, num_layers={self.num_layers}, "
                 f"heads={first.heads}, layer={self.layer_type!r}, "
-                f"attention={self.attention!r}, pos_dim={first.pos_dim})")
+                f"attention={self.attention!r}, pos_dim={first.pos_dim}"
+                + (f", scope={self.scope!r}" if self.scope != "tree" else "") + ")")

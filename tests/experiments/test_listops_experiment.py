@@ -22,6 +22,7 @@ from hsa_graph.experiments.listops import (
     build_examples,
     build_model,
     evaluate_checkpoint,
+    load_model,
     run_listops,
 )
 
@@ -662,7 +663,7 @@ def test_an_abbreviated_option_is_refused(tmp_path, capsys):
 
 
 def test_init_from_starts_each_run_from_the_earlier_run_s_checkpoint(tiny_run, tmp_path):
-    from hsa_graph.experiments.listops import _initial_model, load_model
+    from hsa_graph.experiments.listops import _initial_model
 
     out, result = tiny_run
     config = ListOpsConfig(variants=("hsa-tree", "fsa"), init_from=str(out), **TINY)
@@ -867,19 +868,23 @@ def test_bottom_up_examples_schedule_each_operator_at_its_height():
             _heights_by_hand(expr)
 
 
-def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path):
+@pytest.mark.parametrize("variant", ["hsa-tree-bottom-up", "hsa-tree-bottom-up-family"])
+def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path, variant):
     spec = {**TINY, "seeds": 1, "layers": 2, "share_weights": True, "pool": "first",
             "include_self": True, "pos_dim": None, "layer": "pre_norm"}
-    result = run_listops(ListOpsConfig(variants=("hsa-tree-bottom-up",),
-                                       output_dir=str(tmp_path), **spec))
+    result = run_listops(ListOpsConfig(variants=(variant,), output_dir=str(tmp_path),
+                                       **spec))
     run, = result["runs"]
-    assert run["variant"] == "hsa-tree-bottom-up" and len(run["history"]) == 2
+    assert run["variant"] == variant and len(run["history"]) == 2
     data = generate_listops_test_file(tmp_path, result)
+    _, _, model = load_model(run["checkpoint"])
+    assert model.classifier.encoder.scope == ("family" if variant.endswith("family")
+                                              else "tree")
     metrics = evaluate_checkpoint(run["checkpoint"], str(data))
     assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
     # one level per layer: deeper data than layers is refused, naming both
     with pytest.raises(ValueError, match="train nests operators 2 deep.*layers >= 2, got 1"):
-        run_listops(ListOpsConfig(variants=("hsa-tree-bottom-up",), **{**spec, "layers": 1}))
+        run_listops(ListOpsConfig(variants=(variant,), **{**spec, "layers": 1}))
     deep = write_listops_tsv(tmp_path / "deep.tsv",
                              [("[MAX 1 [MIN 2 [MAX 3 [MIN 4 5 ] ] ] ]", 2)])
     with pytest.raises(ValueError, match="deep.tsv nests operators 4 deep.*got 2"):

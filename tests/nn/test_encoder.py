@@ -112,7 +112,7 @@ def test_baselines_on_the_same_code_path(layer):
     assert not torch.allclose(hier(x2, tree)[0], hier(x, tree)[0])
 
 
-def _node_token_case(layer, num_layers, seed, schedule=None):
+def _node_token_case(layer, num_layers, seed, schedule=None, scope="tree"):
     """Three ListOps trees with node tokens as one batch (``schedule``: the update layers
     each leaf draws from), an encoder in float64, inputs, and the leaf rows of the node
     tokens and of their sources, found by hand (a node's leaf row is its place among
@@ -128,7 +128,7 @@ def _node_token_case(layer, num_layers, seed, schedule=None):
                                                                   (t.num_leaves,))]
     batch = Batch.from_data_list(trees)
     encoder = HierarchicalTransformerEncoder(6, num_layers, heads=2, layer=layer,
-                                             pos_dim=2).to(DT)
+                                             pos_dim=2, scope=scope).to(DT)
     randomise_norms(encoder)
     x = torch.randn(batch.num_leaves, 6, dtype=DT)
     leaves = batch.is_leaf.nonzero().view(-1).tolist()
@@ -210,6 +210,80 @@ def test_update_layer_has_each_leaf_take_one_layer_s_output(layer):
     # without the schedule every leaf takes every layer's output: another result
     del batch.update_layer
     assert not torch.allclose(encoder(x, batch), out)
+
+
+def _cut_above(batch, leaf_rows):
+    """The batch's parent list with the parents of ``leaf_rows`` made roots, by hand."""
+    parent = batch.parent.tolist()
+    leaves = [u for u in range(len(parent)) if u not in parent]
+    cut = list(parent)
+    for i in leaf_rows:
+        cut[parent[leaves[i]]] = -1
+    return cut
+
+
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_family_scope_confines_each_layer_to_its_rows_families(layer):
+    trees, batch, encoder, x, rows, sources = _node_token_case(layer, 4, 8, [0, 1, 2, 4],
+                                                               scope="family")
+    step = batch.update_layer.tolist()
+    h = x.clone()
+    for t, block in enumerate(encoder.layers, 1):   # by hand, a cut tree per layer
+        turn = [i for i in range(len(step)) if step[i] == t]
+        if not turn:
+            continue
+        position = batch.position.clone()
+        cut = _cut_above(batch, turn)
+        position[[u for u in range(len(cut)) if cut[u] < 0]] = -1
+        scoped = NestedSignal.from_parents(cut, geometry=batch.geometry, position=position)
+        features = encoder.layers[0].attn.pos_encoder.features(scoped)
+        out = block(h, scoped, features)
+        h[turn] = out[turn]
+        h[rows] = h[sources]
+    expected = h if encoder.norm is None else encoder.norm(h)
+    out = encoder(x, batch)
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(out, _tree_by_tree(encoder, x, trees), **TOL)
+    encoder.scope = "tree"                            # the whole tree: another result
+    assert not torch.allclose(encoder(x, batch), out)
+
+
+def test_family_scope_reads_nothing_outside_the_rows_families():
+    """A nested operator's token, computed at its height, is the same whatever its
+    expression sits in: nothing outside its own subtree reaches it."""
+    from hsa_graph.experiments.listops import build_examples
+
+    torch.manual_seed(3)
+    inner = "[MED 1 [MAX 4 5 ] 6 ]"      # height 2 in both expressions
+    batch = Batch.from_data_list(build_examples(
+        [(f"[MIN 3 {inner} ]", 3), (f"[SM 9 9 [MAX 0 {inner} 8 ] 2 ]", 8)],
+        "parse_bottom_up"))
+    x = torch.randn(int(batch.x.max()) + 1, 6, dtype=DT)[batch.x]   # one input per token
+    med = (batch.update_layer == 2).nonzero().view(-1)
+    assert med.numel() == 2 and batch.x[med[0]] == batch.x[med[1]]
+    encoder = HierarchicalTransformerEncoder(6, 4, heads=2, layer="pre_norm",
+                                             scope="family").to(DT)
+    randomise_norms(encoder)
+    out = encoder(x, batch)
+    torch.testing.assert_close(out[med[0]], out[med[1]], **TOL)
+    encoder.scope = "tree"               # the whole tree: the contexts differ
+    out = encoder(x, batch)
+    assert not torch.allclose(out[med[0]], out[med[1]])
+
+
+def test_family_scope_is_checked():
+    tree = NestedSignal.from_parents(PARENT)
+    x = torch.randn(N_LEAVES, 4)
+    with pytest.raises(ValueError, match="scope must be one of"):
+        HierarchicalTransformerEncoder(4, 2, scope="subtree")
+    encoder = HierarchicalTransformerEncoder(4, 2, scope="family")
+    with pytest.raises(ValueError, match="needs a layer schedule"):
+        encoder(x, tree)
+    # a node whose children are all parents of a layer's rows would become a leaf
+    orphan = NestedSignal.from_parents([-1, 0, 0, 1, 1, 2, 2])
+    orphan.update_layer = torch.tensor([1, 0, 1, 0])
+    with pytest.raises(ValueError, match="cuts node 0 off every one of its children"):
+        encoder(torch.randn(4, 4), orphan)
 
 
 def test_update_layer_is_checked():
