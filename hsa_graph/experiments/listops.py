@@ -34,6 +34,10 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
   turn (the encoder's ``scope="family"``: an operator's token attends over its own
   operator's subtree alone, its nested operators as their node tokens and their
   subtrees as HSA's blocks): the recursive model's reach with HSA's blocks;
+* ``hsa-tree-bottom-up-siblings``: confined further to the family's leaves (the
+  encoder's ``scope="siblings"``: the operator token, its digits and its nested
+  operators' node tokens, no blocks), which is the recursive model's family:
+  softmax attention over an operator and its arguments' vectors;
 * ``hsa-windows``: HSA on fixed hopping windows over the token sequence
   (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
 * ``fsa``: flat softmax attention over the tokens (positions: each token's index);
@@ -169,6 +173,7 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "hsa-tree-nodes": ("parse_nodes", "hierarchical"),
     "hsa-tree-bottom-up": ("parse_bottom_up", "hierarchical"),
     "hsa-tree-bottom-up-family": ("parse_bottom_up", "hierarchical"),
+    "hsa-tree-bottom-up-siblings": ("parse_bottom_up", "hierarchical"),
     "hsa-windows": ("windows", "hierarchical"),
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
@@ -176,7 +181,7 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "tree-recursive": ("parse", "recursive"),
 }
 #: variants whose encoder confines each scheduled layer (the encoder's ``scope``)
-_SCOPES = {"hsa-tree-bottom-up-family": "family"}
+_SCOPES = {"hsa-tree-bottom-up-family": "family", "hsa-tree-bottom-up-siblings": "siblings"}
 #: the tree layouts of :func:`build_examples`
 STRUCTURES = ("parse", "parse_brackets", "parse_nodes", "parse_bottom_up", "windows")
 NUM_CLASSES = 10
@@ -213,8 +218,8 @@ class ListOpsClassifier(Module):
             :data:`MAX_NESTING`) to its token embedding, so a token's value, not only
             its attention logits, can say at which depth it sits.
         scope: what a scheduled layer attends over (see
-            :class:`~hsa_graph.nn.HierarchicalTransformerEncoder`): ``"tree"`` or
-            ``"family"``.
+            :class:`~hsa_graph.nn.HierarchicalTransformerEncoder`): ``"tree"``,
+            ``"family"`` or ``"siblings"``.
 
     Shapes:
         - **input:** a batch of trees with ``x`` ``[N]`` token ids (and ``nesting``

@@ -247,20 +247,28 @@ def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[T
 
 
 #: what a scheduled layer attends over (:class:`HierarchicalTransformerEncoder`'s ``scope``)
-SCOPES = ("tree", "family")
+SCOPES = ("tree", "family", "siblings")
 
 
-def _family_scope(tree, rows: Tensor):
+def _family_scope(tree, rows: Tensor, siblings: bool = False):
     """``tree`` cut above the parents of leaf rows ``rows``: each of those parents becomes
-    the root of its own tree, so that HSA confines the rows to their families' subtrees.
-    The leaves stay the same rows (a node cut off from every one of its children would
-    become a leaf: refused, naming it)."""
+    the root of its own tree, so that HSA confines the rows to their families' subtrees;
+    with ``siblings`` also above those parents' internal children, so that each family
+    holds its leaves alone (HSA over it is softmax attention among them). The leaves
+    stay the same rows (a node cut off from every one of its children would become a
+    leaf: refused, naming it)."""
     from ..signal import NestedSignal
 
     parent = tree.parent.to(rows.device)
     roots = parent[tree.leaf_index.to(rows.device)[rows]]
     cut = parent.clone()
     cut[roots] = -1
+    if siblings:
+        is_root = torch.zeros_like(parent, dtype=torch.bool)
+        is_root[roots] = True
+        has_child = torch.zeros_like(is_root)
+        has_child[parent[parent >= 0]] = True
+        cut[has_child & (parent >= 0) & is_root[parent.clamp_min(0)]] = -1
     kept = torch.zeros_like(parent, dtype=torch.bool)
     kept[cut[cut >= 0]] = True                       # nodes that still have a child
     orphaned = ~kept & (torch.bincount(parent[parent >= 0], minlength=parent.numel()) > 0)
@@ -312,7 +320,8 @@ class HierarchicalTransformerEncoder(Module):
     layer still HSA over the whole tree. With ``scope="family"`` a layer attends over
     the tree cut above the parents of its turn's rows instead: each row sees its own
     family's subtree alone (its siblings, and its siblings' subtrees as HSA's blocks),
-    nothing outside it.
+    nothing outside it; with ``scope="siblings"`` the subtrees are cut off too, and each
+    row sees its family's leaves alone (softmax attention among them).
 
     Args:
         channels: leaf feature size ``C``.
@@ -328,8 +337,9 @@ class HierarchicalTransformerEncoder(Module):
             shared by all layers (``dim``, ``kind``, ``sigma``, ``seed``, ``graph``,
             ``graph_dim``, ``bias``).
         scope: with a layer schedule, what a layer's rows attend over: ``"tree"`` (the
-            whole tree) or ``"family"`` (their parents' subtrees; one tree built per
-            layer and forward, which needs the tree's ``parent`` and ``leaf_index``).
+            whole tree), ``"family"`` (their parents' subtrees) or ``"siblings"``
+            (their parents' leaf children); the last two build one tree per layer and
+            forward, from the tree's ``parent`` and ``leaf_index``.
         **kwargs: further arguments of the layer (``ffn_channels``, ``act``,
             ``dropout``, ``num_modalities``, ``include_self``, ``head_channels``, ...).
 
@@ -402,8 +412,8 @@ class HierarchicalTransformerEncoder(Module):
                 x = layer(x, tree, features)
             elif turns[t] is None:  # nobody's turn: nothing changes
                 continue
-            elif self.scope == "family":
-                scoped = _family_scope(tree, turns[t])
+            elif self.scope != "tree":
+                scoped = _family_scope(tree, turns[t], siblings=self.scope == "siblings")
                 x = x.index_copy(0, turns[t], layer(
                     x, scoped, None if features is None else encoder.features(scoped),
                     rows=turns[t]))

@@ -868,7 +868,8 @@ def test_bottom_up_examples_schedule_each_operator_at_its_height():
             _heights_by_hand(expr)
 
 
-@pytest.mark.parametrize("variant", ["hsa-tree-bottom-up", "hsa-tree-bottom-up-family"])
+@pytest.mark.parametrize("variant", ["hsa-tree-bottom-up", "hsa-tree-bottom-up-family",
+                                     "hsa-tree-bottom-up-siblings"])
 def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path, variant):
     spec = {**TINY, "seeds": 1, "layers": 2, "share_weights": True, "pool": "first",
             "include_self": True, "pos_dim": None, "layer": "pre_norm"}
@@ -878,8 +879,8 @@ def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path, variant):
     assert run["variant"] == variant and len(run["history"]) == 2
     data = generate_listops_test_file(tmp_path, result)
     _, _, model = load_model(run["checkpoint"])
-    assert model.classifier.encoder.scope == ("family" if variant.endswith("family")
-                                              else "tree")
+    assert model.classifier.encoder.scope == {"hsa-tree-bottom-up": "tree"}.get(
+        variant, variant.rsplit("-", 1)[1])
     metrics = evaluate_checkpoint(run["checkpoint"], str(data))
     assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
     # one level per layer: deeper data than layers is refused, naming both

@@ -212,20 +212,24 @@ def test_update_layer_has_each_leaf_take_one_layer_s_output(layer):
     assert not torch.allclose(encoder(x, batch), out)
 
 
-def _cut_above(batch, leaf_rows):
-    """The batch's parent list with the parents of ``leaf_rows`` made roots, by hand."""
+def _cut_above(batch, leaf_rows, siblings=False):
+    """The batch's parent list with the parents of ``leaf_rows`` made roots (and with
+    ``siblings`` those parents' internal children too), by hand."""
     parent = batch.parent.tolist()
     leaves = [u for u in range(len(parent)) if u not in parent]
+    families = {parent[leaves[i]] for i in leaf_rows}
     cut = list(parent)
-    for i in leaf_rows:
-        cut[parent[leaves[i]]] = -1
+    for u in range(len(parent)):
+        if u in families or (siblings and parent[u] in families and u in parent):
+            cut[u] = -1
     return cut
 
 
+@pytest.mark.parametrize("scope", ["family", "siblings"])
 @pytest.mark.parametrize("layer", ["hte", "pre_norm"])
-def test_family_scope_confines_each_layer_to_its_rows_families(layer):
+def test_family_scope_confines_each_layer_to_its_rows_families(layer, scope):
     trees, batch, encoder, x, rows, sources = _node_token_case(layer, 4, 8, [0, 1, 2, 4],
-                                                               scope="family")
+                                                               scope=scope)
     step = batch.update_layer.tolist()
     h = x.clone()
     for t, block in enumerate(encoder.layers, 1):   # by hand, a cut tree per layer
@@ -233,7 +237,7 @@ def test_family_scope_confines_each_layer_to_its_rows_families(layer):
         if not turn:
             continue
         position = batch.position.clone()
-        cut = _cut_above(batch, turn)
+        cut = _cut_above(batch, turn, siblings=scope == "siblings")
         position[[u for u in range(len(cut)) if cut[u] < 0]] = -1
         scoped = NestedSignal.from_parents(cut, geometry=batch.geometry, position=position)
         features = encoder.layers[0].attn.pos_encoder.features(scoped)
@@ -248,7 +252,8 @@ def test_family_scope_confines_each_layer_to_its_rows_families(layer):
     assert not torch.allclose(encoder(x, batch), out)
 
 
-def test_family_scope_reads_nothing_outside_the_rows_families():
+@pytest.mark.parametrize("scope", ["family", "siblings"])
+def test_family_scope_reads_nothing_outside_the_rows_families(scope):
     """A nested operator's token, computed at its height, is the same whatever its
     expression sits in: nothing outside its own subtree reaches it."""
     from hsa_graph.experiments.listops import build_examples
@@ -262,10 +267,13 @@ def test_family_scope_reads_nothing_outside_the_rows_families():
     med = (batch.update_layer == 2).nonzero().view(-1)
     assert med.numel() == 2 and batch.x[med[0]] == batch.x[med[1]]
     encoder = HierarchicalTransformerEncoder(6, 4, heads=2, layer="pre_norm",
-                                             scope="family").to(DT)
+                                             scope=scope).to(DT)
     randomise_norms(encoder)
     out = encoder(x, batch)
     torch.testing.assert_close(out[med[0]], out[med[1]], **TOL)
+    other = "siblings" if scope == "family" else "family"
+    encoder.scope = other                # the subtrees as blocks, or not: another result
+    assert not torch.allclose(encoder(x, batch)[med[0]], out[med[0]])
     encoder.scope = "tree"               # the whole tree: the contexts differ
     out = encoder(x, batch)
     assert not torch.allclose(out[med[0]], out[med[1]])
