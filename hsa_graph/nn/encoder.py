@@ -260,22 +260,21 @@ def _family_scope(tree, rows: Tensor, siblings: bool = False):
     from ..signal import NestedSignal
 
     parent = tree.parent.to(rows.device)
+    internal = ~tree.is_leaf.to(rows.device)
     roots = parent[tree.leaf_index.to(rows.device)[rows]]
     cut = parent.clone()
     cut[roots] = -1
-    if siblings:
-        is_root = torch.zeros_like(parent, dtype=torch.bool)
+    if siblings:  # the roots' internal children become roots too
+        is_root = torch.zeros_like(internal)
         is_root[roots] = True
-        has_child = torch.zeros_like(is_root)
-        has_child[parent[parent >= 0]] = True
-        cut[has_child & (parent >= 0) & is_root[parent.clamp_min(0)]] = -1
-    kept = torch.zeros_like(parent, dtype=torch.bool)
+        cut[internal & (parent >= 0) & is_root[parent.clamp_min(0)]] = -1
+    kept = torch.zeros_like(internal)
     kept[cut[cut >= 0]] = True                       # nodes that still have a child
-    orphaned = ~kept & (torch.bincount(parent[parent >= 0], minlength=parent.numel()) > 0)
+    orphaned = internal & ~kept
     if bool(orphaned.any()):
         node = int(orphaned.nonzero()[0])
-        raise ValueError(f"scope='family' cuts node {node} off every one of its children (they "
-                         f"are all parents of the layer's rows): it would become a leaf")
+        raise ValueError(f"a scoped layer cuts node {node} off every one of its children "
+                         f"(they are all parents of the layer's rows): it would become a leaf")
     # the nodes keep their geometry, positions and modality tags (a cut root's position
     # is a root's: none)
     attrs = {name: getattr(tree, name) for name in ("geometry", "position", "modality")
@@ -412,13 +411,12 @@ class HierarchicalTransformerEncoder(Module):
                 x = layer(x, tree, features)
             elif turns[t] is None:  # nobody's turn: nothing changes
                 continue
-            elif self.scope != "tree":
-                scoped = _family_scope(tree, turns[t], siblings=self.scope == "siblings")
-                x = x.index_copy(0, turns[t], layer(
-                    x, scoped, None if features is None else encoder.features(scoped),
-                    rows=turns[t]))
             else:
-                x = x.index_copy(0, turns[t], layer(x, tree, features, rows=turns[t]))
+                scoped, scoped_features = tree, features
+                if self.scope != "tree":
+                    scoped = _family_scope(tree, turns[t], siblings=self.scope == "siblings")
+                    scoped_features = None if features is None else encoder.features(scoped)
+                x = x.index_copy(0, turns[t], layer(x, scoped, scoped_features, rows=turns[t]))
             if mirrors is not None:
                 x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)
