@@ -105,16 +105,13 @@ def _small_families(q: Tensor, k: Tensor, records: bool) -> bool:
                              and torch.get_num_threads() > 1)))
 
 
-def _batched_family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                              scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    r"""Softmax attention inside small families as batched matmuls, one head at a time
-    over the rows as they lie (``q[:, h]`` is a ``[F, b, D]`` strided batch of
-    matrices, which the matmul reads in place: no head-major copy of ``q, k, v``).
-    Returns ``(o [F, H, b, Dv], l [F, H, b], P [H, F, b, c])`` for ``b`` queries and
-    ``c`` keys per family, ``o`` in token-major memory as the fused kernel writes it.
-    The heads' products share one scratch of a head's size: the fewer fresh buffers a
-    call takes, the fewer pages fault in (:ref:`performance`). A row whose every key is
-    masked gets ``o = 0``, ``l = -inf`` and ``P = 0``."""
+def _batched_family_softmax(q: Tensor, k: Tensor, bias: Optional[Tensor], scale: float
+                            ) -> Tuple[Tensor, Tensor]:
+    r"""The softmax inside small families as batched matmuls, one head at a time over
+    the rows as they lie (``q[:, h]`` is a ``[F, b, D]`` strided batch of matrices,
+    which the matmul reads in place: no head-major copy of ``q, k``). Returns
+    ``P [H, F, b, c]`` for ``b`` queries and ``c`` keys per family and its log-sum-exp
+    ``l [F, H, b]``. A row whose every key is masked gets ``P = 0`` and ``l = -inf``."""
     f, h, b, c = *q.shape[:3], k.shape[2]
     logits = q.new_empty((h, f, b, c))
     # the scale and the bias folded into the matmul (no pass over the logits of their own)
@@ -130,41 +127,49 @@ def _batched_family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Te
     total = p.sum(-1, keepdim=True)
     p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
     lse = total.log_().add_(top)
+    return p, lse.squeeze(-1).transpose(0, 1)
+
+
+def _batched_family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                              scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    r""":func:`_batched_family_softmax` times the values: ``(o [F, H, b, Dv], l, P)``,
+    ``o`` in token-major memory as the fused kernel writes it. The heads' products
+    share one scratch of a head's size: the fewer fresh buffers a call takes, the fewer
+    pages fault in (:ref:`performance`). A row whose every key is masked gets
+    ``o = 0``."""
+    p, lse = _batched_family_softmax(q, k, bias, scale)
+    f, h, b = q.shape[:3]
     out = q.new_empty((f, b, h, v.shape[-1])).transpose(1, 2)
     scratch = q.new_empty((f, b, v.shape[-1]))
     for i in range(h):
         out[:, i].copy_(torch.bmm(p[i], v[:, i], out=scratch))
-    return out, lse.squeeze(-1).transpose(0, 1), p
+    return out, lse, p
 
 
-def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor,
-                                       d_out: Optional[Tensor], d_lse: Optional[Tensor],
-                                       scale: float, needs: Tuple[bool, ...]
-                                       ) -> List[Optional[Tensor]]:
-    r"""``dq, dk, dv`` of :func:`_batched_family_attention` from its ``P``, one head at
-    a time as its forward: :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(P \odot
-    dO\, v^\top) + d\ell)`, :math:`dq = s\, dS\, k`, :math:`dk = s\, dS^\top q`,
-    :math:`dv = P^\top dO`, written into gradients with the strides of ``q, k, v``
-    (``None`` where ``needs`` says so)."""
-    grads = [torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs[:3])]
-    # one head's rows of each gradient's shape
-    scratch = {t[:, 0].shape: t.new_empty(t[:, 0].shape)
-               for t, g in zip((q, k, v), grads) if g is not None}
+def _softmax_grad_(p: Tensor, dp: Optional[Tensor], d_lse: Optional[Tensor]) -> Tensor:
+    r"""The gradient of the logits of :func:`_batched_family_softmax` from those of
+    ``P [H, F, b, c]`` and of the log-sum-exp (``[F, H, b]``; either may be ``None``):
+    :math:`dS = P \odot (dP - \mathrm{rowsum}(P \odot dP) + d\ell)`, written into
+    ``dp`` where given."""
     d_lse = None if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)   # [H, F, b, 1]
-    if d_out is None:  # only the log-sum-exp's gradient: dS = P d_lse
-        ds = p * d_lse
-    else:
-        ds = torch.empty_like(p)
-        for i in range(q.shape[1]):
-            torch.bmm(d_out[:, i], v[:, i].transpose(1, 2), out=ds[i])          # dO v^T
-            if grads[2] is not None:
-                grads[2][:, i].copy_(torch.bmm(p[i].transpose(1, 2), d_out[:, i],
-                                               out=scratch[v[:, 0].shape]))
-        delta = (ds * p).sum(-1, keepdim=True)
-        if d_lse is not None:
-            delta.sub_(d_lse)
-        ds.sub_(delta).mul_(p)
-    for i in range(q.shape[1]):   # (the scale folded into the matmuls)
+    if dp is None:
+        return p * (0.0 if d_lse is None else d_lse)
+    delta = (dp * p).sum(-1, keepdim=True)
+    if d_lse is not None:
+        delta.sub_(d_lse)
+    return dp.sub_(delta).mul_(p)
+
+
+def _batched_query_key_grads(q: Tensor, k: Tensor, ds: Tensor, scale: float,
+                             needs: Tuple[bool, bool]) -> List[Optional[Tensor]]:
+    r""":math:`dq = s\, dS\, k` and :math:`dk = s\, dS^\top q` from the logits'
+    gradient ``dS [H, F, b, c]``, one head at a time, written into gradients with the
+    strides of ``q, k`` (``None`` where ``needs`` says so); the scale is folded into
+    the matmuls and the heads' products share one scratch."""
+    grads = [torch.empty_like(t) if need else None for t, need in zip((q, k), needs)]
+    scratch = {t[:, 0].shape: t.new_empty(t[:, 0].shape)
+               for t, g in zip((q, k), grads) if g is not None}
+    for i in range(q.shape[1]):
         if grads[0] is not None:
             part = scratch[q[:, 0].shape]
             grads[0][:, i].copy_(torch.baddbmm(part, ds[i], k[:, i], beta=0.0, alpha=scale,
@@ -174,6 +179,29 @@ def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tenso
             grads[1][:, i].copy_(torch.baddbmm(part, ds[i].transpose(1, 2), q[:, i],
                                                beta=0.0, alpha=scale, out=part))
     return grads
+
+
+def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor,
+                                       d_out: Optional[Tensor], d_lse: Optional[Tensor],
+                                       scale: float, needs: Tuple[bool, ...]
+                                       ) -> List[Optional[Tensor]]:
+    r"""``dq, dk, dv`` of :func:`_batched_family_attention` from its ``P``, one head at
+    a time as its forward: :math:`dP = dO\, v^\top`, :math:`dv = P^\top dO`, then
+    :func:`_softmax_grad_` and :func:`_batched_query_key_grads`; gradients with the
+    strides of ``q, k, v`` (``None`` where ``needs`` says so)."""
+    dv = torch.empty_like(v) if needs[2] and d_out is not None else None
+    dp = None
+    if d_out is not None:
+        dp = torch.empty_like(p)
+        scratch = v.new_empty(v[:, 0].shape)
+        for i in range(q.shape[1]):
+            torch.bmm(d_out[:, i], v[:, i].transpose(1, 2), out=dp[i])
+            if dv is not None:
+                dv[:, i].copy_(torch.bmm(p[i].transpose(1, 2), d_out[:, i], out=scratch))
+    elif needs[2]:
+        dv = torch.zeros_like(v)
+    ds = _softmax_grad_(p, dp, d_lse)
+    return [*_batched_query_key_grads(q, k, ds, scale, needs[:2]), dv]
 
 
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -290,6 +318,135 @@ def _family_attention_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tens
                 q, k, v, bias, out, lse, d_out, d_lse)),
             into=[None if g is None else g[:, h] for g in grads])
     return grads
+
+
+@dataclass(frozen=True)
+class FamilySoftmax:
+    r"""A bucket of leaves alone whose family softmax is kept as its probabilities
+    ``p`` (``P [H, F, b, c]``, see :func:`_batched_family_softmax`) beside its values
+    ``v`` (``[F, H, c, Dv]``): the product :math:`P v` is formed only where
+    :func:`hsa` weighs it into its output (:func:`_weighted_family_values`), so that
+    neither the family output nor its gradient is ever a full-size tensor."""
+
+    p: Tensor
+    v: Tensor
+
+
+class _FamilySoftmax(torch.autograd.Function):
+    r""":func:`_batched_family_softmax` of ``q, k`` ``[F, H, b, D]`` (any strides) as
+    an autograd node: returns ``P [H, F, b, c]`` and ``l [F, H, b]``, and with
+    ``family_sums`` also the sums of ``q, k, v`` over each family (``v`` is read for
+    them alone; see :class:`_FamilyAttention`). The backward takes the gradient of
+    ``P`` (from :class:`_WeightedFamilyValues`) and of ``l``: :func:`_softmax_grad_`,
+    then :func:`_batched_query_key_grads`."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Optional[Tensor], bias: Optional[Tensor],
+                scale: float, family_sums: bool = False):
+        p, lse = _batched_family_softmax(q, k, bias, scale)
+        ctx.save_for_backward(q, k, p)
+        ctx.scale, ctx.v_shape = scale, None if v is None else v.shape
+        if not family_sums:
+            return p, lse
+        return (p, lse, *(_family_sum(t) for t in (q, k, v)))
+
+    @staticmethod
+    def backward(ctx, dp: Optional[Tensor], d_lse: Optional[Tensor], *d_sums):
+        q, k, p = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        d_sums = d_sums or (None, None, None)
+        if torch.is_grad_enabled():  # create_graph: differentiable ops, out of place
+            d_lse = 0.0 if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)
+            dp = torch.zeros_like(p) if dp is None else dp
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True) + d_lse)
+            grads = [torch.einsum("hfbc,fhcd->fhbd", ds, k) * ctx.scale if needs[0] else None,
+                     torch.einsum("hfbc,fhbd->fhcd", ds, q) * ctx.scale if needs[1] else None]
+            grads = [g if g is None or d is None else g + d.unsqueeze(2)
+                     for g, d in zip(grads, d_sums)]
+        else:
+            grads = _batched_query_key_grads(q, k, _softmax_grad_(p, dp, d_lse), ctx.scale,
+                                             needs[:2])
+            grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
+                     for g, d in zip(grads, d_sums)]
+        d_v = None
+        if needs[2] and d_sums[2] is not None:  # v entered the sums alone
+            d_v = d_sums[2].unsqueeze(2).expand(ctx.v_shape)
+        return (*grads, d_v, None, None, None)
+
+
+def _leaf_family_softmax(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                         scale: float, family_sums: bool = False) -> Tuple:
+    """:class:`_FamilySoftmax` of a bucket of leaves alone: ``(FamilySoftmax, l)``, and
+    the family sums of ``q, k, v`` with ``family_sums``."""
+    p, *rest = _FamilySoftmax.apply(q, k, v if family_sums else None, bias, scale,
+                                    family_sums)
+    return (FamilySoftmax(p, v), *rest)
+
+
+def _weighted_family_values(above: Tensor, w: Tensor, family: FamilySoftmax) -> Tensor:
+    r"""The leaf outputs of a bucket kept as a :class:`FamilySoftmax`,
+    :math:`y_i = \mathrm{above} + w\, (P v)_i` for every leaf ``i`` of a family
+    (``above`` ``[F, H, Dv]``, ``w`` ``[F, H]``: the family's parent's ``acc`` and
+    ``m``), as token-major rows ``[F, b, H, Dv]``: one head at a time through one
+    scratch, each row written once. Through :class:`_WeightedFamilyValues` where
+    autograd records."""
+    if records_grad(above, w, family.p, family.v):
+        return _WeightedFamilyValues.apply(above, w, family.p, family.v)
+    return _weighted_family_values_forward(above, w, family.p, family.v)
+
+
+def _weighted_family_values_forward(above: Tensor, w: Tensor, p: Tensor, v: Tensor
+                                    ) -> Tensor:
+    """:func:`_weighted_family_values` without autograd."""
+    h, f, b = p.shape[:3]
+    y = v.new_empty((f, b, h, v.shape[-1]))
+    scratch, weighted = v.new_empty((f, b, v.shape[-1])), p.new_empty(p.shape[1:])
+    for i in range(h):
+        torch.mul(p[i], w[:, i, None, None], out=weighted)
+        y[:, :, i].copy_(torch.baddbmm(above[:, i].unsqueeze(1), weighted, v[:, i],
+                                       out=scratch))
+    return y
+
+
+class _WeightedFamilyValues(torch.autograd.Function):
+    r""":func:`_weighted_family_values` as an autograd node. For ``dy`` ``[F, b, H,
+    Dv]``, head by head: :math:`G = dy\, v^\top`, ``d above`` :math:`= \sum_i dy_i`,
+    :math:`dw = \sum_{ij} P \odot G`, :math:`dP = w\, G`,
+    :math:`dv = (w P)^\top dy`: no full-size tensor but ``dv``."""
+
+    @staticmethod
+    def forward(ctx, above: Tensor, w: Tensor, p: Tensor, v: Tensor) -> Tensor:
+        ctx.save_for_backward(w, p, v)
+        return _weighted_family_values_forward(above, w, p, v)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        w, p, v = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dy = dy.contiguous() if 0 in dy.stride() else dy  # (the expanded gradient of a sum)
+        d_above = dy.sum(1) if needs[0] else None
+        weights = w.transpose(0, 1)[..., None, None]                      # [H, F, 1, 1]
+        if torch.is_grad_enabled():  # create_graph: differentiable ops, out of place
+            g = torch.einsum("fbhd,fhcd->hfbc", dy, v)
+            d_w = (g * p).sum((2, 3)).transpose(0, 1) if needs[1] else None
+            d_p = g * weights if needs[2] else None
+            d_v = torch.einsum("hfbc,fbhd->fhcd", p * weights, dy) if needs[3] else None
+            return d_above, d_w, d_p, d_v
+        d_p = torch.empty_like(p) if needs[1] or needs[2] else None
+        d_w = w.new_empty(w.shape) if needs[1] else None
+        d_v = torch.empty_like(v) if needs[3] else None
+        scratch, weighted = v.new_empty(v[:, 0].shape), p.new_empty(p.shape[1:])
+        for i in range(p.shape[0]):
+            rows = dy[:, :, i]                                           # [F, b, Dv]
+            if d_p is not None:
+                g = torch.bmm(rows, v[:, i].transpose(1, 2), out=d_p[i])
+                if d_w is not None:
+                    d_w[:, i] = torch.mul(g, p[i]).sum((1, 2))
+                g.mul_(weights[i])
+            if d_v is not None:
+                torch.mul(p[i], weights[i], out=weighted)
+                d_v[:, i].copy_(torch.bmm(weighted.transpose(1, 2), rows, out=scratch))
+        return d_above, d_w, d_p if needs[2] else None, d_v
 
 
 class _LeafGatherFamilies(torch.autograd.Function):
@@ -654,7 +811,9 @@ class HSAStatistics:
             (``None`` without values).
             A :attr:`~hsa_graph.structure.FamilyBucket.leaf_block` bucket's entries
             are in two parts, its ``L`` leaves' rows and its internal members' rows
-            (``[F, H, L, ...]``, ``[F, H, b - L, ...]``), as the scatters take them.
+            (``[F, H, L, ...]``, ``[F, H, b - L, ...]``), as the scatters take them;
+            a bucket whose values product is deferred (``defer_leaf_values``) holds a
+            :class:`FamilySoftmax`.
     """
 
     rq: Optional[Tensor]
@@ -668,7 +827,7 @@ class HSAStatistics:
     log_mu_internal: Tensor
     lam_internal: Tensor
     bucket_lse: List[BucketRows]
-    bucket_out: List[Optional[BucketRows]]
+    bucket_out: List[Optional[Union[BucketRows, FamilySoftmax]]]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -782,7 +941,8 @@ def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor
 def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                    scale: float, pos: Optional[Tensor], v: Optional[Tensor] = None,
                    leaf_mass: bool = True, means: bool = True,
-                   leaf_rows_out: Optional[Tensor] = None) -> HSAStatistics:
+                   leaf_rows_out: Optional[Tensor] = None,
+                   defer_leaf_values: bool = False) -> HSAStatistics:
     """The bottom-up and top-down passes over per-node scalars shared by
     :func:`hsa` and :func:`~hsa_graph.hsa_weights`.
 
@@ -797,7 +957,10 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     into which the leaf rows of ``bucket_out`` are written, unweighted, where autograd
     records nothing: where they lie in one block (their entries are then views of it),
     and for buckets of leaves read by index (their entries are then ``None``: see
-    :func:`_leaf_bucket_into_rows`).
+    :func:`_leaf_bucket_into_rows`). ``defer_leaf_values``: buckets of leaves alone whose
+    families are small (:func:`_small_families`) keep their softmax as probabilities,
+    their ``bucket_out`` entry a :class:`FamilySoftmax` whose product with the values
+    the caller forms where it weighs the leaf rows (:func:`_weighted_family_values`).
     """
     n = st.num_leaves
     need_means = means or any(b.internal_slot.numel() for b in st.buckets)
@@ -810,9 +973,11 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     first = {}
     if whole is not None:
         bucket = st.buckets[whole]
-        first[whole] = _family_attention(
-            *(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)),
-            _bucket_bias(bucket, include_self, q.dtype), scale, True)
+        members = tuple(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v))
+        softmax = (_leaf_family_softmax if defer_leaf_values
+                   and _small_families(*members[:2], True) else _family_attention)
+        first[whole] = softmax(*members, _bucket_bias(bucket, include_self, q.dtype), scale,
+                               True)
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
     leaf_operands, fscale = _leaf_operands(q, k, v, pos_leaf, scale)
     # Where autograd records, the buckets of leaves read by index run as one node, in
@@ -880,11 +1045,17 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                                              (bq[1], bk[1], bv[1]), include_self, fscale,
                                              windows, into)
         else:  # [F, b, H, D] -> [F, H, b, D] views: no copy for contiguous families
-            out, lse = _family_attention(
-                bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
-                _bucket_bias(bucket, include_self, q.dtype), fscale)
+            members = (bq.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2))
+            softmax = _family_attention
+            if (defer_leaf_values and v is not None and fv_leaf.shape[-1] == v.shape[-1]
+                    and not bucket.internal_slot.numel()
+                    and _small_families(*members[:2], records_grad(*members))):
+                softmax = _leaf_family_softmax
+            out, lse = softmax(*members, _bucket_bias(bucket, include_self, q.dtype), fscale)
         if v is None or out is None:
             out = None
+        elif isinstance(out, FamilySoftmax):
+            pass
         else:  # without the zero features of widened values
             out = (tuple(t[..., :v.shape[-1]] for t in out) if isinstance(out, tuple)
                    else out[..., :v.shape[-1]])
@@ -1058,7 +1229,8 @@ def _hsa(x: AttentionInputs) -> Tensor:
     # is already the output)
     y_rows = st.new_leaf_rows(v) if inplace and st.whole_leaf_bucket is None else None
     stats = hsa_statistics(st, x.q, x.k, include_self, x.scale, x.pos, v=v, leaf_mass=False,
-                           means=False, leaf_rows_out=y_rows)
+                           means=False, leaf_rows_out=y_rows,
+                           defer_leaf_values=y_rows is None)
 
     # A member A of a family sends w(A) = m(pa(A)) (1 - mu(A)) of its mass through the
     # family softmax. A leaf's softmax row already holds its own diagonal, so a leaf
@@ -1094,6 +1266,12 @@ def _hsa(x: AttentionInputs) -> Tensor:
         for bucket, out, w in zip(st.buckets, stats.bucket_out, weights):
             if not bucket.leaf_slot.numel():
                 rows.append(None)
+                continue
+            if isinstance(out, FamilySoftmax):  # P v formed here, weighed as written
+                parent = bucket.parent
+                y = _weighted_family_values(acc.index_select(0, parent),
+                                            m_internal.index_select(0, parent), out)
+                rows.append(y.view(-1, *y.shape[2:]))
                 continue
             out = _leaf_part(out).transpose(1, 2)                    # [F, b, H, Dv]
             if inplace:  # into the family output (this call's own)

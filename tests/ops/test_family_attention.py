@@ -1,5 +1,7 @@
 """The family softmax of small families as batched matmuls (``_batched_family_attention``
-and its backward), against a dense reference written here, and where HSA takes it."""
+and its backward; ``_FamilySoftmax`` with its values product deferred to the weighing,
+``_WeightedFamilyValues``), against a dense reference written here, and where HSA takes
+each."""
 import pytest
 import torch
 from reference import dense_hsa
@@ -7,10 +9,13 @@ from reference import dense_hsa
 import hsa_graph
 import hsa_graph.ops.hsa as hsa_ops
 from hsa_graph.ops.hsa import (
+    FamilySoftmax,
     _batched_family_attention,
     _family_attention,
     _family_attention_forward,
+    _leaf_family_softmax,
     _small_families,
+    _weighted_family_values,
 )
 
 F, H, D = 5, 3, 6
@@ -218,3 +223,135 @@ def test_hsa_on_small_trees_at_one_and_two_threads(num_threads, include_self, th
                                           include_self=include_self) * weights).sum(), ref)
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-11)
+
+
+def weighed_reference(q, k, v, bias, scale, above, w):
+    """``above + w * softmax(s q k^T + bias) v`` per family, token-major ``[F, b, H, Dv]``,
+    and the log-sum-exp."""
+    out, lse = reference(q, k, v, bias, scale)
+    return (above.unsqueeze(2) + w[..., None, None] * out).transpose(1, 2), lse
+
+
+def weighing_operands(b: int, seed: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    above = torch.randn(F, H, 4, generator=gen, dtype=dtype)
+    w = torch.rand(F, H, generator=gen, dtype=dtype)
+    d_y = torch.randn(F, b, H, 4, generator=gen, dtype=dtype)
+    return above, w, d_y
+
+
+@pytest.mark.parametrize("kind", ["none", "keys", "full"])
+@pytest.mark.parametrize("b", [5, 16])
+@pytest.mark.parametrize("family_sums", [False, True])
+def test_deferred_values_match_the_dense_reference(b, kind, family_sums):
+    """``_FamilySoftmax`` then ``_WeightedFamilyValues`` (P handed from one node to the
+    other, P v formed only in the weighing): forward, and every gradient (``q, k, v``,
+    ``above``, ``w``) from the output's, the log-sum-exp's and the family sums'."""
+    bias = bias_of(kind, b, b)
+    q, k, v, _, d_lse = token_major(b, b, seed=10 + b, dv=4)
+    above, w, d_y = weighing_operands(b, seed=b)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, above, w)]
+    family, lse, *sums = _leaf_family_softmax(*leaves[:3], bias, 0.4, family_sums)
+    assert isinstance(family, FamilySoftmax) and family.p.shape == (H, F, b, b)
+    y = _weighted_family_values(leaves[3], leaves[4], family)
+    assert y.shape == (F, b, H, 4) and y.is_contiguous()
+    ref_leaves = [t.detach().requires_grad_() for t in (q, k, v, above, w)]
+    ref_y, ref_lse = weighed_reference(*ref_leaves[:3], bias, 0.4, *ref_leaves[3:])
+    torch.testing.assert_close(y, ref_y, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    d_sums = [torch.randn(F, H, t.shape[-1], dtype=q.dtype) for t in (q, k, v)]
+    total = (y * d_y).sum() + (lse * d_lse).sum() + sum(
+        (s * d).sum() for s, d in zip(sums, d_sums))
+    ref_total = (ref_y * d_y).sum() + (ref_lse * d_lse).sum()
+    if family_sums:
+        ref_total = ref_total + sum((t.sum(2) * d).sum()
+                                    for t, d in zip(ref_leaves[:3], d_sums))
+    got = torch.autograd.grad(total, leaves)
+    for name, g, e in zip("q k v above w".split(), got,
+                          torch.autograd.grad(ref_total, ref_leaves)):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-11, msg=name)
+    assert all(g.stride() == t.stride() for g, t in zip(got[:3], leaves[:3]))
+
+
+def test_deferred_values_give_only_the_gradients_asked_for():
+    q, k, v, _, _ = token_major(6, 6, seed=3, dv=4)
+    above, w, d_y = weighing_operands(6, seed=3)
+    for asked in range(5):
+        leaves = [t.detach().requires_grad_(i == asked)
+                  for i, t in enumerate((q, k, v, above, w))]
+        family, _ = _leaf_family_softmax(*leaves[:3], None, 0.5)
+        (g,) = torch.autograd.grad((_weighted_family_values(leaves[3], leaves[4], family)
+                                    * d_y).sum(), leaves[asked])
+        ref_leaves = [t.detach().requires_grad_() for t in (q, k, v, above, w)]
+        (e,) = torch.autograd.grad((weighed_reference(*ref_leaves[:3], None, 0.5,
+                                                      *ref_leaves[3:])[0] * d_y).sum(),
+                                   ref_leaves[asked])
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-11)
+
+
+def test_deferred_values_twice_differentiable():
+    """create_graph: both nodes' backwards in differentiable ops (gradgradcheck)."""
+    q, k, v, _, _ = token_major(4, 4, seed=5, dv=4)
+    above, w, _ = weighing_operands(4, seed=5)
+    bias = bias_of("full", 4, 4)
+
+    def fn(q, k, v, above, w):
+        family, lse, *sums = _leaf_family_softmax(q, k, v, bias, 0.7, True)
+        return _weighted_family_values(above, w, family), lse, *sums
+
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, above, w)]
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_deferred_values_with_a_row_without_keys():
+    """A query whose every key is masked: P = 0 there, so its row is ``above`` alone and
+    every gradient is finite."""
+    q, k, v, _, _ = token_major(4, 4, seed=4, dv=4)
+    above, w, d_y = weighing_operands(4, seed=4)
+    bias = torch.zeros(F, 1, 4, 4, dtype=q.dtype)
+    bias[2, :, 1] = NEG_INF
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, above, w)]
+    family, lse = _leaf_family_softmax(*leaves[:3], bias, 0.5)
+    y = _weighted_family_values(leaves[3], leaves[4], family)
+    torch.testing.assert_close(y[2, 1], above[2], rtol=0, atol=0)
+    assert (lse[2, :, 1] == NEG_INF).all()
+    finite = torch.where(lse.isfinite(), lse, 0.0)
+    grads = torch.autograd.grad((y * d_y).sum() + finite.sum(), leaves)
+    assert all(g.isfinite().all() for g in grads)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("records", [False, True])
+def test_where_hsa_defers_the_values_product(num_threads, records, threads, monkeypatch):
+    """hsa keeps a bucket of leaves alone as probabilities where its small families run
+    as batched matmuls (autograd records, or 2+ threads), not where the fused forward
+    runs (1 thread without autograd), not with positions (their features widen the
+    values) and not for families of 17; the output equals the dense reference
+    whichever path runs."""
+    threads(num_threads)
+    deferred = []
+    real = hsa_ops._leaf_family_softmax
+
+    def spy(*args, **kwargs):
+        deferred.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hsa_ops, "_leaf_family_softmax", spy)
+    gen = torch.Generator().manual_seed(8)
+    for size, with_pos, expect in [(16, False, records or num_threads > 1),
+                                   (16, True, False), (17, False, False)]:
+        parent = [-1] + [0] * 3 + [1 + i // size for i in range(3 * size)]
+        tree = hsa_graph.NestedSignal.from_parents(parent)
+        n = 3 * size
+        q, k, v = (torch.randn(n, 2, 4, generator=gen, dtype=torch.float64)
+                   for _ in range(3))
+        pos = torch.randn(len(parent), 3, generator=gen, dtype=torch.float64) \
+            if with_pos else None
+        deferred.clear()
+        leaves = [t.clone().requires_grad_(records) for t in (q, k, v)]
+        with torch.set_grad_enabled(records):
+            y = hsa_graph.hsa(*leaves, tree, pos=pos)
+        assert bool(deferred) == expect, (size, with_pos)
+        expected = dense_hsa(torch.tensor(parent), q, k, v, pos=pos)
+        torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-12)
