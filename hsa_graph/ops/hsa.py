@@ -161,34 +161,40 @@ def _softmax_grad_(p: Tensor, dp: Optional[Tensor], d_lse: Optional[Tensor]) -> 
 
 
 def _batched_query_key_grads(q: Tensor, k: Tensor, ds: Tensor, scale: float,
-                             needs: Tuple[bool, bool]) -> List[Optional[Tensor]]:
+                             needs: Tuple[bool, bool],
+                             d_sums: Tuple[Optional[Tensor], ...] = (None, None)
+                             ) -> List[Optional[Tensor]]:
     r""":math:`dq = s\, dS\, k` and :math:`dk = s\, dS^\top q` from the logits'
     gradient ``dS [H, F, b, c]``, one head at a time, written into gradients with the
     strides of ``q, k`` (``None`` where ``needs`` says so); the scale is folded into
-    the matmuls and the heads' products share one scratch."""
+    the matmuls and the heads' products share one scratch. ``d_sums``: the gradients
+    of the family sums of ``q, k`` (``[F, H, D]`` or ``None``), added to every member's
+    row inside the same matmuls (no pass of their own)."""
     grads = [torch.empty_like(t) if need else None for t, need in zip((q, k), needs)]
     scratch = {t[:, 0].shape: t.new_empty(t[:, 0].shape)
                for t, g in zip((q, k), grads) if g is not None}
     for i in range(q.shape[1]):
-        if grads[0] is not None:
-            part = scratch[q[:, 0].shape]
-            grads[0][:, i].copy_(torch.baddbmm(part, ds[i], k[:, i], beta=0.0, alpha=scale,
-                                               out=part))
-        if grads[1] is not None:
-            part = scratch[k[:, 0].shape]
-            grads[1][:, i].copy_(torch.baddbmm(part, ds[i].transpose(1, 2), q[:, i],
-                                               beta=0.0, alpha=scale, out=part))
+        for grad, (left, right), d_sum in zip(
+                grads, ((ds[i], k[:, i]), (ds[i].transpose(1, 2), q[:, i])), d_sums):
+            if grad is None:
+                continue
+            part = scratch[grad[:, 0].shape]
+            start = part if d_sum is None else d_sum[:, i].unsqueeze(1)
+            grad[:, i].copy_(torch.baddbmm(start, left, right, beta=float(d_sum is not None),
+                                           alpha=scale, out=part))
     return grads
 
 
 def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor,
                                        d_out: Optional[Tensor], d_lse: Optional[Tensor],
-                                       scale: float, needs: Tuple[bool, ...]
+                                       scale: float, needs: Tuple[bool, ...],
+                                       d_sums: Tuple[Optional[Tensor], ...] = (None,) * 3
                                        ) -> List[Optional[Tensor]]:
     r"""``dq, dk, dv`` of :func:`_batched_family_attention` from its ``P``, one head at
     a time as its forward: :math:`dP = dO\, v^\top`, :math:`dv = P^\top dO`, then
     :func:`_softmax_grad_` and :func:`_batched_query_key_grads`; gradients with the
-    strides of ``q, k, v`` (``None`` where ``needs`` says so)."""
+    strides of ``q, k, v`` (``None`` where ``needs`` says so), the family sums'
+    gradients ``d_sums`` joined."""
     dv = torch.empty_like(v) if needs[2] and d_out is not None else None
     dp = None
     if d_out is not None:
@@ -200,8 +206,10 @@ def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tenso
                 dv[:, i].copy_(torch.bmm(p[i].transpose(1, 2), d_out[:, i], out=scratch))
     elif needs[2]:
         dv = torch.zeros_like(v)
+    if dv is not None and d_sums[2] is not None:
+        dv.add_(d_sums[2].unsqueeze(2))
     ds = _softmax_grad_(p, dp, d_lse)
-    return [*_batched_query_key_grads(q, k, ds, scale, needs[:2]), dv]
+    return [*_batched_query_key_grads(q, k, ds, scale, needs[:2], d_sums[:2]), dv]
 
 
 def _family_attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -279,12 +287,12 @@ class _FamilyAttention(torch.autograd.Function):
             return (*grads, None, None, None, None)
         if p is not None:
             grads = _batched_family_attention_backward(q, k, v, p, d_out, d_lse, ctx.scale,
-                                                       needs)
+                                                       needs, d_sums)
         else:
             grads = _family_attention_grads(q, k, v, bias, out, lse, d_out, d_lse,
                                             ctx.scale, needs)
-        grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
-                 for g, d in zip(grads, d_sums)]
+            grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
+                     for g, d in zip(grads, d_sums)]
         return (*(g if need else None for g, need in zip(grads, needs[:3])),
                 None, None, None, None)
 
@@ -365,9 +373,7 @@ class _FamilySoftmax(torch.autograd.Function):
                      for g, d in zip(grads, d_sums)]
         else:
             grads = _batched_query_key_grads(q, k, _softmax_grad_(p, dp, d_lse), ctx.scale,
-                                             needs[:2])
-            grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
-                     for g, d in zip(grads, d_sums)]
+                                             needs[:2], d_sums[:2])
         d_v = None
         if needs[2] and d_sums[2] is not None:  # v entered the sums alone
             d_v = d_sums[2].unsqueeze(2).expand(ctx.v_shape)
