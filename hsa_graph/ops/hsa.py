@@ -363,7 +363,8 @@ class _FamilySoftmax(torch.autograd.Function):
         q, k, p = ctx.saved_tensors
         needs = ctx.needs_input_grad
         d_sums = d_sums or (None, None, None)
-        if torch.is_grad_enabled():  # create_graph: differentiable ops, out of place
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # create_graph (or tracing): differentiable ops, out of place
             d_lse = 0.0 if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)
             dp = torch.zeros_like(p) if dp is None else dp
             ds = p * (dp - (p * dp).sum(-1, keepdim=True) + d_lse)
@@ -432,7 +433,8 @@ class _WeightedFamilyValues(torch.autograd.Function):
         dy = dy.contiguous() if 0 in dy.stride() else dy  # (the expanded gradient of a sum)
         d_above = dy.sum(1) if needs[0] else None
         weights = w.transpose(0, 1)[..., None, None]                      # [H, F, 1, 1]
-        if torch.is_grad_enabled():  # create_graph: differentiable ops, out of place
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # create_graph (or tracing): differentiable ops, out of place
             g = torch.einsum("fbhd,fhcd->hfbc", dy, v)
             d_w = (g * p).sum((2, 3)).transpose(0, 1) if needs[1] else None
             d_p = g * weights if needs[2] else None
