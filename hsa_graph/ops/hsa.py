@@ -146,18 +146,20 @@ def _batched_family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Te
     return out, lse, p
 
 
-def _softmax_grad_(p: Tensor, dp: Optional[Tensor], d_lse: Optional[Tensor]) -> Tensor:
-    r"""The gradient of the logits of :func:`_batched_family_softmax` from those of
-    ``P [H, F, b, c]`` and of the log-sum-exp (``[F, H, b]``; either may be ``None``):
+def _softmax_grad(p: Tensor, dp: Optional[Tensor], d_lse: Optional[Tensor],
+                  inplace: bool = True) -> Tensor:
+    r"""The gradient of softmax logits from those of the probabilities ``P [H, F, b,
+    c]`` and of the log-sum-exp (``[F, H, b]``; either may be ``None``):
     :math:`dS = P \odot (dP - \mathrm{rowsum}(P \odot dP) + d\ell)`, written into
-    ``dp`` where given."""
+    ``dp`` with ``inplace``, else in differentiable ops (``create_graph``). Every
+    backward of the family softmax goes through it."""
     d_lse = None if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)   # [H, F, b, 1]
     if dp is None:
-        return p * (0.0 if d_lse is None else d_lse)
+        return p * 0.0 if d_lse is None else p * d_lse
     delta = (dp * p).sum(-1, keepdim=True)
     if d_lse is not None:
-        delta.sub_(d_lse)
-    return dp.sub_(delta).mul_(p)
+        delta = delta.sub_(d_lse) if inplace else delta - d_lse
+    return dp.sub_(delta).mul_(p) if inplace else (dp - delta) * p
 
 
 def _batched_query_key_grads(q: Tensor, k: Tensor, ds: Tensor, scale: float,
@@ -192,7 +194,7 @@ def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tenso
                                        ) -> List[Optional[Tensor]]:
     r"""``dq, dk, dv`` of :func:`_batched_family_attention` from its ``P``, one head at
     a time as its forward: :math:`dP = dO\, v^\top`, :math:`dv = P^\top dO`, then
-    :func:`_softmax_grad_` and :func:`_batched_query_key_grads`; gradients with the
+    :func:`_softmax_grad` and :func:`_batched_query_key_grads`; gradients with the
     strides of ``q, k, v`` (``None`` where ``needs`` says so), the family sums'
     gradients ``d_sums`` joined."""
     dv = torch.empty_like(v) if needs[2] and d_out is not None else None
@@ -208,7 +210,7 @@ def _batched_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tenso
         dv = torch.zeros_like(v)
     if dv is not None and d_sums[2] is not None:
         dv.add_(d_sums[2].unsqueeze(2))
-    ds = _softmax_grad_(p, dp, d_lse)
+    ds = _softmax_grad(p, dp, d_lse)
     return [*_batched_query_key_grads(q, k, ds, scale, needs[:2], d_sums[:2]), dv]
 
 
@@ -278,7 +280,7 @@ class _FamilyAttention(torch.autograd.Function):
             # be differentiated
             heads = [_family_attention_backward_head(
                 ctx.scale, needs, *(None if t is None else _head(t, h) for t in (
-                    q, k, v, bias, out, lse, d_out, d_lse)))
+                    q, k, v, bias, lse, d_out, d_lse)))
                 for h in range(q.shape[1])]
             grads = [None if g[0] is None else torch.stack(g, 2).transpose(1, 2)
                      for g in zip(*heads)]
@@ -323,7 +325,7 @@ def _family_attention_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tens
     for h in range(q.shape[1]):
         _family_attention_backward_head(
             scale, needs, *(None if t is None else _head(t, h) for t in (
-                q, k, v, bias, out, lse, d_out, d_lse)),
+                q, k, v, bias, lse, d_out, d_lse)),
             into=[None if g is None else g[:, h] for g in grads])
     return grads
 
@@ -345,7 +347,7 @@ class _FamilySoftmax(torch.autograd.Function):
     an autograd node: returns ``P [H, F, b, c]`` and ``l [F, H, b]``, and with
     ``family_sums`` also the sums of ``q, k, v`` over each family (``v`` is read for
     them alone; see :class:`_FamilyAttention`). The backward takes the gradient of
-    ``P`` (from :class:`_WeightedFamilyValues`) and of ``l``: :func:`_softmax_grad_`,
+    ``P`` (from :class:`_WeightedFamilyValues`) and of ``l``: :func:`_softmax_grad`,
     then :func:`_batched_query_key_grads`."""
 
     @staticmethod
@@ -365,15 +367,13 @@ class _FamilySoftmax(torch.autograd.Function):
         d_sums = d_sums or (None, None, None)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             # create_graph (or tracing): differentiable ops, out of place
-            d_lse = 0.0 if d_lse is None else d_lse.transpose(0, 1).unsqueeze(-1)
-            dp = torch.zeros_like(p) if dp is None else dp
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True) + d_lse)
+            ds = _softmax_grad(p, dp, d_lse, inplace=False)
             grads = [torch.einsum("hfbc,fhcd->fhbd", ds, k) * ctx.scale if needs[0] else None,
                      torch.einsum("hfbc,fhbd->fhcd", ds, q) * ctx.scale if needs[1] else None]
             grads = [g if g is None or d is None else g + d.unsqueeze(2)
                      for g, d in zip(grads, d_sums)]
         else:
-            grads = _batched_query_key_grads(q, k, _softmax_grad_(p, dp, d_lse), ctx.scale,
+            grads = _batched_query_key_grads(q, k, _softmax_grad(p, dp, d_lse), ctx.scale,
                                              needs[:2], d_sums[:2])
         d_v = None
         if needs[2] and d_sums[2] is not None:  # v entered the sums alone
@@ -604,13 +604,13 @@ def _head(t: Tensor, h: int) -> Tensor:
 
 def _family_attention_backward_head(
         scale: float, needs: Tuple[bool, ...], q: Tensor, k: Tensor, v: Tensor,
-        bias: Optional[Tensor], out: Tensor, lse: Tensor, d_out: Optional[Tensor],
+        bias: Optional[Tensor], lse: Tensor, d_out: Optional[Tensor],
         d_lse: Optional[Tensor], into: Optional[List[Optional[Tensor]]] = None
 ) -> Tuple[Optional[Tensor], ...]:
     r"""The backward of :class:`_FamilyAttention` for one head: ``[F, b, D]`` operands
     (strided rows of the token-major tensors, which batched matmuls read in place),
-    :math:`P = e^{sqk^\top + \mathrm{bias} - \ell}`,
-    :math:`dS = P \odot (dO\, v^\top - \mathrm{rowsum}(dO \odot o) + d\ell)`; returns
+    :math:`P = e^{sqk^\top + \mathrm{bias} - \ell}` recomputed,
+    :math:`dP = dO\, v^\top`, then :func:`_softmax_grad`; returns
     ``(dq, dk, dv)`` ``[F, b, D]`` (``None`` where not needed), written into ``into``
     when given (then every intermediate is updated in place: no autograd records it)."""
     inplace = into is not None
@@ -621,14 +621,13 @@ def _family_attention_backward_head(
         logits = logits.add_(bias) if inplace else logits + bias
     logits = logits.sub_(lse.unsqueeze(-1)) if inplace else logits - lse.unsqueeze(-1)
     p = logits.exp_() if inplace else logits.exp()                         # [F, b, b]
-    dv = None
-    ds = torch.zeros_like(p) if d_lse is None else d_lse.unsqueeze(-1).expand_as(p)
+    dv = dp = None
     if d_out is not None:
         if needs[2]:
             dv = torch.bmm(p.transpose(1, 2), d_out, out=into[2])
-        dp = torch.bmm(d_out, v.transpose(1, 2))
-        ds = dp - (d_out * out).sum(-1, keepdim=True) + ds
-    ds = mul(p, ds)
+        dp = torch.bmm(d_out, v.transpose(1, 2))[None]
+    ds = _softmax_grad(p[None], dp, None if d_lse is None else d_lse[:, None],
+                       inplace)[0]                                        # (one head)
     dq = mul(torch.bmm(ds, k, out=into[0]), scale) if needs[0] else None
     dk = mul(torch.bmm(ds.transpose(1, 2), q, out=into[1]), scale) if needs[1] else None
     return dq, dk, dv

@@ -355,3 +355,25 @@ def test_where_hsa_defers_the_values_product(num_threads, records, threads, monk
         assert bool(deferred) == expect, (size, with_pos)
         expected = dense_hsa(torch.tensor(parent), q, k, v, pos=pos)
         torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("grads", ["both", "out", "lse"])
+def test_matmul_fallback_of_the_fused_backward(grads, monkeypatch):
+    """Where the fused CPU backward does not apply (other devices, half precision), the
+    fused kernel's forward is followed by the per-head matmul backward, in place into
+    gradients with the inputs' strides: against autograd of the reference."""
+    monkeypatch.setattr(hsa_ops, "_small_families", lambda *args: False)
+    monkeypatch.setattr(hsa_ops, "cpu_flash_attention_backward", lambda *args: None)
+    q, k, v, d_out, d_lse = token_major(9, 9, seed=7, dv=4)
+    bias = bias_of("full", 9, 9)
+    d_out = d_out if grads != "lse" else torch.zeros_like(d_out)
+    d_lse = d_lse if grads != "out" else torch.zeros_like(d_lse)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = _family_attention(*leaves, bias, 0.3)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*ref, bias, 0.3)
+    want = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), ref)
+    for g, e, t in zip(got, want, leaves):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-11)
+        assert g.stride() == t.stride()
