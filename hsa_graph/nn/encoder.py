@@ -250,13 +250,13 @@ def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[T
 SCOPES = ("tree", "family", "siblings")
 
 
-def _family_scope(tree, rows: Tensor, siblings: bool = False):
+def _family_scope(tree, rows: Tensor, siblings: bool = False, refuse: bool = True):
     """``tree`` cut above the parents of leaf rows ``rows``: each of those parents becomes
     the root of its own tree, so that HSA confines the rows to their families' subtrees;
     with ``siblings`` also above those parents' internal children, so that each family
     holds its leaves alone (HSA over it is softmax attention among them). The leaves
     stay the same rows (a node cut off from every one of its children would become a
-    leaf: refused, naming it)."""
+    leaf: refused, naming it; ``None`` instead without ``refuse``)."""
     from ..signal import NestedSignal
 
     parent = tree.parent.to(rows.device)
@@ -272,6 +272,8 @@ def _family_scope(tree, rows: Tensor, siblings: bool = False):
     kept[cut[cut >= 0]] = True                       # nodes that still have a child
     orphaned = internal & ~kept
     if bool(orphaned.any()):
+        if not refuse:
+            return None
         node = int(orphaned.nonzero()[0])
         raise ValueError(f"a scoped layer cuts node {node} off every one of its children "
                          f"(they are all parents of the layer's rows): it would become a leaf")
@@ -406,14 +408,25 @@ class HierarchicalTransformerEncoder(Module):
         if self.scope != "tree" and turns is None:
             raise ValueError(f"scope={self.scope!r} confines a layer's rows: it needs a "
                              f"layer schedule (the tree's update_layer)")
+        shared = None
+        if self.scope == "siblings":
+            # One tree for every layer: cut above the parents of all scheduled rows, each
+            # of those families is a tree of its leaves alone, as in its own layer's cut,
+            # and HSA reads nothing across trees. (Per layer where that cut would strip a
+            # node of every child, so that its own layer's cut decides.)
+            scheduled = [r for r in turns if r is not None]
+            cut = (_family_scope(tree, torch.cat(scheduled), siblings=True, refuse=False)
+                   if scheduled else None)
+            if cut is not None:
+                shared = (cut, None if features is None else encoder.features(cut))
         for t, layer in enumerate(self.layers):
             if turns is None:
                 x = layer(x, tree, features)
             elif turns[t] is None:  # nobody's turn: nothing changes
                 continue
             else:
-                scoped, scoped_features = tree, features
-                if self.scope != "tree":
+                scoped, scoped_features = (tree, features) if shared is None else shared
+                if self.scope != "tree" and shared is None:
                     scoped = _family_scope(tree, turns[t], siblings=self.scope == "siblings")
                     scoped_features = None if features is None else encoder.features(scoped)
                 x = x.index_copy(0, turns[t], layer(x, scoped, scoped_features, rows=turns[t]))

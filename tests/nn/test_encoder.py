@@ -403,3 +403,38 @@ def test_training_on_cuda(sentences, autocast_dtype):
     losses = train_steps(sentences, device="cuda", autocast_dtype=autocast_dtype)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("step,builds", [([1, 0, 2, 0], 2), ([1, 0, 1, 2, 0, 0, 0], 1)])
+def test_siblings_scope_cuts_once_per_forward(step, builds, monkeypatch):
+    """``scope="siblings"`` builds one cut tree for all its layers (each family is a tree
+    of its leaves alone there, as in its own layer's cut), and one per layer where that
+    cut would strip a node of every child (here node 0, whose children are both
+    scheduled parents); the result is the per-layer one either way."""
+    import hsa_graph.nn.encoder as encoder_module
+
+    parent = ([-1, 0, 0, 1, 1, 2, 2] if len(step) == 4
+              else [-1, 0, 0, 1, 1, 1, 2, 2, 2, 0])   # the second: node 0 keeps a leaf
+    tree = NestedSignal.from_parents(parent)
+    tree.update_layer = torch.tensor(step)
+    torch.manual_seed(5)
+    encoder = HierarchicalTransformerEncoder(4, 2, heads=2, layer="pre_norm",
+                                             scope="siblings").to(DT)
+    randomise_norms(encoder)
+    x = torch.randn(len(step), 4, dtype=DT)
+    calls = []
+    real = encoder_module._family_scope
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].numel())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encoder_module, "_family_scope", spy)
+    out = encoder(x, tree)
+    assert len(calls) == 1 + (builds > 1) * builds     # the shared try, then per layer
+    h = x.clone()
+    for t, block in enumerate(encoder.layers, 1):      # by hand, a cut tree per layer
+        turn = [i for i in range(len(step)) if step[i] == t]
+        scoped = NestedSignal.from_parents(_cut_above(tree, turn, siblings=True))
+        h[turn] = block(h, scoped)[turn]
+    torch.testing.assert_close(out, encoder.norm(h), **TOL)
