@@ -38,6 +38,12 @@ so the HSA, FSA and DeepSet variants have equal parameter counts:
   encoder's ``scope="siblings"``: the operator token, its digits and its nested
   operators' node tokens, no blocks), which is the recursive model's family:
   softmax attention over an operator and its arguments' vectors;
+* ``hsa-tree-bottom-up-families``: the siblings' scope with every token of a family
+  scheduled at its operator's height (the operator token, its digits and its nested
+  operators' node tokens: ``"parse_bottom_up_families"``), so with ``turn_layers=B``
+  each family is computed by ``B`` HSA layers over all its members at its turn, deepest
+  first, and its operator token handed up as the node token: the recursive model's
+  depth per composition step, as HSA;
 * ``hsa-windows``: HSA on fixed hopping windows over the token sequence
   (:func:`~hsa_graph.hopping_window_tree`, branching ``(2, 4, 8, 16)``, no parse);
 * ``fsa``: flat softmax attention over the tokens (positions: each token's index);
@@ -174,6 +180,7 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "hsa-tree-bottom-up": ("parse_bottom_up", "hierarchical"),
     "hsa-tree-bottom-up-family": ("parse_bottom_up", "hierarchical"),
     "hsa-tree-bottom-up-siblings": ("parse_bottom_up", "hierarchical"),
+    "hsa-tree-bottom-up-families": ("parse_bottom_up_families", "hierarchical"),
     "hsa-windows": ("windows", "hierarchical"),
     "fsa": ("windows", "flat"),
     "deepset": ("windows", "none"),
@@ -181,9 +188,13 @@ VARIANTS: Dict[str, Tuple[str, str]] = {
     "tree-recursive": ("parse", "recursive"),
 }
 #: variants whose encoder confines each scheduled layer (the encoder's ``scope``)
-_SCOPES = {"hsa-tree-bottom-up-family": "family", "hsa-tree-bottom-up-siblings": "siblings"}
+_SCOPES = {"hsa-tree-bottom-up-family": "family", "hsa-tree-bottom-up-siblings": "siblings",
+           "hsa-tree-bottom-up-families": "siblings"}
 #: the tree layouts of :func:`build_examples`
-STRUCTURES = ("parse", "parse_brackets", "parse_nodes", "parse_bottom_up", "windows")
+STRUCTURES = ("parse", "parse_brackets", "parse_nodes", "parse_bottom_up",
+              "parse_bottom_up_families", "windows")
+#: the layouts with a layer schedule (``update_layer``), one turn per level of operators
+_SCHEDULED = ("parse_bottom_up", "parse_bottom_up_families")
 NUM_CLASSES = 10
 #: the deepest nesting :class:`ListOpsClassifier`'s ``nesting_embedding`` tells apart
 MAX_NESTING = 16
@@ -220,6 +231,9 @@ class ListOpsClassifier(Module):
         scope: what a scheduled layer attends over (see
             :class:`~hsa_graph.nn.HierarchicalTransformerEncoder`): ``"tree"``,
             ``"family"`` or ``"siblings"``.
+        turn_layers: layers per turn of a layer schedule (the encoder's): ``layers``
+            turns of ``turn_layers`` layers each; with ``share_weights`` the same
+            ``turn_layers`` layers serve every turn.
 
     Shapes:
         - **input:** a batch of trees with ``x`` ``[N]`` token ids (and ``nesting``
@@ -231,18 +245,19 @@ class ListOpsClassifier(Module):
                  layers: int = 10, layer: str = "hte", share_weights: bool = False,
                  hidden_channels: int = 128, pos_dim: Optional[int] = 8,
                  dropout: float = 0.0, pool: str = "mean", include_self: bool = False,
-                 nesting_embedding: bool = False, scope: str = "tree"):
+                 nesting_embedding: bool = False, scope: str = "tree",
+                 turn_layers: int = 1):
         super().__init__()
         self.embedding = Embedding(len(VOCAB), channels)
         self.nesting = Embedding(MAX_NESTING + 1, channels) if nesting_embedding else None
         self.classifier = TreeClassifier(
             channels, NUM_CLASSES, channels, heads, hidden_channels=hidden_channels,
-            attention=attention, num_layers=1 if share_weights else layers, layer=layer,
-            pos_dim=pos_dim, dropout=dropout, pool=pool, include_self=bool(include_self),
-            scope=scope)
-        if share_weights:  # the same module `layers` times: one set of parameters
+            attention=attention, num_layers=turn_layers * (1 if share_weights else layers),
+            layer=layer, pos_dim=pos_dim, dropout=dropout, pool=pool,
+            include_self=bool(include_self), scope=scope, turn_layers=turn_layers)
+        if share_weights:  # the same turn `layers` times: the parameters of one
             self.classifier.encoder.layers = ModuleList(
-                [self.classifier.encoder.layers[0]] * layers)
+                list(self.classifier.encoder.layers) * layers)
 
     def forward(self, batch) -> Tensor:
         """Logits ``[num_trees, 10]``."""
@@ -443,13 +458,18 @@ def build_model(variant: str, **spec: Any) -> Module:
     """The model of ``variant`` (:data:`VARIANTS`) with the settings ``spec``
     (``channels``, ``heads``, ``layers``, ``layer``, ``share_weights``, ``hidden_channels``,
     ``pos_dim``, ``dropout``, ``pool``, ``include_self``, ``nesting_embedding``,
-    ``max_length``; the peer H-Transformer-1D takes ``channels``, ``heads``, ``layers``,
-    ``hidden_channels``, ``max_length`` and mean-pools; the recursive model takes
+    ``max_length``, and ``turn_layers`` for the variants with a layer schedule; the peer
+    H-Transformer-1D takes ``channels``, ``heads``, ``layers``, ``hidden_channels``,
+    ``max_length`` and mean-pools; the recursive model takes
     ``channels``, ``heads``, ``layers``, ``hidden_channels``, ``dropout`` and refuses
     ``share_weights``, ``include_self``, ``nesting_embedding`` and ``pool="first"``)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {tuple(VARIANTS)}")
     attention = VARIANTS[variant][1]
+    if spec.get("turn_layers", 1) != 1 and VARIANTS[variant][0] not in _SCHEDULED:
+        raise ValueError(f"turn_layers={spec['turn_layers']} stacks layers per turn of a "
+                         f"layer schedule; the {variant} variant has none")
+    spec = {k: v for k, v in spec.items() if k != "turn_layers" or v != 1}
     if attention == "h-transformer-1d":
         return HTransformerClassifier(**spec)
     if attention == "recursive":
@@ -512,10 +532,14 @@ def _attach_nested_targets(tree, parsed, keep_close: bool, node_tokens: bool = F
 def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
                    where: str = "data", nested_targets: bool = False) -> List[Any]:
     """One tree per ``(expression, label)`` row: the parse tree (``"parse"``, or
-    ``"parse_brackets"`` with ``]`` leaves) or hopping windows over all tokens
-    (``"windows"``), each with ``x`` token ids, ``nesting`` each token's nesting depth
-    (the number of operators open around it: 0 for the root operator and its ``]``)
-    and ``y`` the label; with
+    ``"parse_brackets"`` with ``]`` leaves, ``"parse_nodes"`` with node tokens,
+    ``"parse_bottom_up"`` with node tokens and each operator token's height as its
+    ``update_layer``, ``"parse_bottom_up_families"`` with node tokens and every token's
+    family's height as its ``update_layer``: the height of the operator whose
+    arguments it is, an operator token its own operator's) or hopping windows over all
+    tokens (``"windows"``), each with ``x`` token ids, ``nesting`` each token's nesting
+    depth (the number of operators open around it: 0 for the root operator and its
+    ``]``) and ``y`` the label; with
     ``nested_targets`` also the values of the nested operators and their spans
     (for :class:`NestedValueLoss`).
 
@@ -528,7 +552,7 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
 
     if structure not in STRUCTURES:
         raise ValueError(f"unknown structure {structure!r}; choose from {STRUCTURES}")
-    node_tokens = structure in ("parse_nodes", "parse_bottom_up")
+    node_tokens = structure in ("parse_nodes",) + _SCHEDULED
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, (tuple, list)) or len(row) != 2:
@@ -554,9 +578,15 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
             del tree.depth
         keep_close = structure in ("parse_brackets", "windows")
         kept = parsed.level if keep_close else parsed.level[parsed.tokens != CLOSE]
-        if structure == "parse_bottom_up":
+        if structure in _SCHEDULED:
             is_open = (parsed.tokens >= 10) & (parsed.tokens < CLOSE)
-            height = _operator_heights(parsed, is_open)[parsed.tokens != CLOSE]
+            height = _operator_heights(parsed, is_open)
+            # the height of the operator whose argument a token is (0: none), and of a
+            # token's family: its own operator's for an operator token, else that one
+            of_parent = np.where(parsed.parent >= 0, height[parsed.parent.clip(0)], 0)
+            family = np.where(is_open, height, of_parent)
+            height, family, of_parent = (a[parsed.tokens != CLOSE]
+                                         for a in (height, family, of_parent))
         if node_tokens:  # a node token sits where its operator is, just before it
             kept_tokens = parsed.tokens[parsed.tokens != CLOSE]
             kept_parent = parsed.parent[parsed.tokens != CLOSE]
@@ -564,6 +594,9 @@ def build_examples(rows: Sequence[Tuple[str, int]], structure: str, *,
             kept = np.insert(kept, nested, kept[nested])
             if structure == "parse_bottom_up":  # a node token is copied, not computed
                 tree.update_layer = torch.from_numpy(np.insert(height, nested, 0))
+            elif structure == "parse_bottom_up_families":  # in its parent's family
+                tree.update_layer = torch.from_numpy(np.insert(family, nested,
+                                                               of_parent[nested]))
         tree.nesting = torch.from_numpy(kept.astype(np.int64))
         if nested_targets:
             _attach_nested_targets(tree, parsed, keep_close=keep_close,
@@ -596,6 +629,9 @@ class ListOpsConfig:
             ``"cosine"`` decays from ``lr`` to ``min_lr``).
         channels, heads, layers, layer, share_weights, hidden_channels, pos_dim, dropout:
             the models (:class:`ListOpsClassifier`).
+        turn_layers: layers per turn of the variants with a layer schedule (the
+            ``hsa-tree-bottom-up`` family): each level of operators is computed by
+            ``turn_layers`` layers, one after the other (refused for the others).
         pool, include_self, nesting_embedding: the read-out, the self term and the
             nesting-depth embedding of the models (ditto; the peer H-Transformer-1D
             has none, so ``nesting_embedding`` refuses it).
@@ -637,6 +673,7 @@ class ListOpsConfig:
     layers: int = 10
     layer: str = "hte"
     share_weights: bool = False
+    turn_layers: int = 1
     hidden_channels: int = 128
     pos_dim: Optional[int] = 8
     dropout: float = 0.0
@@ -661,7 +698,7 @@ class ListOpsConfig:
                 self.first_seed < 0):
             raise ValueError(f"first_seed must be an int >= 0, got {self.first_seed!r}")
         for name in ("seeds", "num_train", "num_val", "num_test", "epochs", "batch_size",
-                     "channels", "heads", "layers", "hidden_channels"):
+                     "channels", "heads", "layers", "turn_layers", "hidden_channels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -678,6 +715,10 @@ class ListOpsConfig:
             if getattr(self, name) == value and "tree-recursive" in self.variants:
                 raise ValueError(f"the tree-recursive variant has no counterpart of "
                                  f"{name}={value!r}")
+        unscheduled = [v for v in self.variants if VARIANTS[v][0] not in _SCHEDULED]
+        if self.turn_layers != 1 and unscheduled:
+            raise ValueError(f"turn_layers={self.turn_layers} stacks layers per turn of a "
+                             f"layer schedule; the {unscheduled[0]} variant has none")
         if self.nesting_embedding and "h-transformer-1d" in self.variants:
             raise ValueError("nesting_embedding adds to a ListOpsClassifier's token "
                              "embedding; the h-transformer-1d variant has none")
@@ -698,6 +739,7 @@ class ListOpsConfig:
         """The settings :func:`build_model` takes."""
         return dict(channels=self.channels, heads=self.heads, layers=self.layers,
                     layer=self.layer, share_weights=self.share_weights,
+                    turn_layers=self.turn_layers,
                     hidden_channels=self.hidden_channels, pos_dim=self.pos_dim,
                     dropout=self.dropout, pool=self.pool,
                     include_self=self.include_self,
@@ -741,14 +783,15 @@ def _file_examples(path: Union[str, os.PathLike], rows: Sequence[Tuple[str, int]
         raise
 
 
-def _check_bottom_up_depth(trees: Sequence[Any], layers: int, where: Any) -> None:
-    """Refuse ``parse_bottom_up`` trees whose operators (``update_layer``) nest deeper
-    than the model's ``layers``: one layer composes one level."""
+def _check_bottom_up_depth(trees: Sequence[Any], turns: int, where: Any) -> None:
+    """Refuse scheduled trees (``parse_bottom_up``, ``parse_bottom_up_families``) whose
+    operators (``update_layer``) nest deeper than the model's ``layers`` (its turns):
+    one turn composes one level."""
     height = max((int(t.update_layer.max()) for t in trees), default=0)
-    if height > layers:
-        raise ValueError(f"hsa-tree-bottom-up composes one level of operators per layer: "
+    if height > turns:
+        raise ValueError(f"hsa-tree-bottom-up composes one level of operators per turn: "
                          f"{where} nests operators {height} deep, so the model needs "
-                         f"layers >= {height}, got {layers}")
+                         f"layers >= {height}, got {turns}")
 
 
 def _split_examples(config: ListOpsConfig, split: str, rows: Sequence[Tuple[str, int]],
@@ -910,7 +953,7 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                 for s, rows in splits.items()}
             data[f"build_seconds_{structure}"] = time.perf_counter() - t0
         sets = built[structure]
-        if structure == "parse_bottom_up":
+        if structure in _SCHEDULED:
             for split, trees in sets.items():
                 _check_bottom_up_depth(trees, config.layers, split)
         for seed in range(config.first_seed, config.first_seed + config.seeds):
@@ -1105,8 +1148,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
     if not rows:
         raise ValueError(f"{data} holds no examples")
     examples = _file_examples(data, rows, VARIANTS[variant][0], nested_targets=nested)
-    if VARIANTS[variant][0] == "parse_bottom_up":
-        _check_bottom_up_depth(examples, len(model.classifier.encoder.layers), data)
+    if VARIANTS[variant][0] in _SCHEDULED:
+        _check_bottom_up_depth(examples, model.classifier.encoder.num_turns, data)
     metrics = evaluate(model, examples, batch_size=batch_size, device=device,
                        predictions=True)
     breakdown = accuracy_breakdown(metrics.pop("predictions"), rows)
@@ -1120,7 +1163,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, batch_size: int = 32,
 _OPTIONS = ("variants", "seeds", "first_seed", "num_train", "num_val", "num_test",
             "max_depth", "max_args", "min_length", "max_length", "operators", "data_seed",
             "data_dir", "epochs", "batch_size", "lr", "lr_schedule", "min_lr", "warmup_steps",
-            "channels", "heads", "layers", "hidden_channels", "layer", "pos_dim", "dropout",
+            "channels", "heads", "layers", "turn_layers", "hidden_channels", "layer",
+            "pos_dim", "dropout",
             "pool", "node_loss", "init_from", "device", "output_dir")
 
 
@@ -1152,6 +1196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"residual block (default {d.layer})")
     parser.add_argument("--share-weights", action="store_true",
                         help="one attention layer applied --layers times")
+    parser.add_argument("--turn-layers", type=int, default=None,
+                        help="the hsa-tree-bottom-up variants: layers per level of "
+                        f"operators, one after the other (default {d.turn_layers})")
     parser.add_argument("--operators", nargs="+", choices=OPERATORS, default=None,
                         help="draw only these operators (default: all four)")
     parser.add_argument("--pool", choices=("mean", "first"), default=None,

@@ -250,41 +250,66 @@ def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[T
 SCOPES = ("tree", "family", "siblings")
 
 
-def _family_scope(tree, rows: Tensor, siblings: bool = False, refuse: bool = True):
-    """``tree`` cut above the parents of leaf rows ``rows``: each of those parents becomes
-    the root of its own tree, so that HSA confines the rows to their families' subtrees;
-    with ``siblings`` also above those parents' internal children, so that each family
-    holds its leaves alone (HSA over it is softmax attention among them). The leaves
-    stay the same rows (a node cut off from every one of its children would become a
-    leaf: refused, naming it; ``None`` instead without ``refuse``)."""
-    from ..signal import NestedSignal
-
-    parent = tree.parent.to(rows.device)
-    internal = ~tree.is_leaf.to(rows.device)
-    roots = parent[tree.leaf_index.to(rows.device)[rows]]
-    cut = parent.clone()
-    cut[roots] = -1
-    if siblings:  # the roots' internal children become roots too
-        is_root = torch.zeros_like(internal)
-        is_root[roots] = True
-        cut[internal & (parent >= 0) & is_root[parent.clamp_min(0)]] = -1
-    kept = torch.zeros_like(internal)
-    kept[cut[cut >= 0]] = True                       # nodes that still have a child
-    orphaned = internal & ~kept
-    if bool(orphaned.any()):
-        if not refuse:
-            return None
-        node = int(orphaned.nonzero()[0])
-        raise ValueError(f"a scoped layer cuts node {node} off every one of its children "
-                         f"(they are all parents of the layer's rows): it would become a leaf")
-    # the nodes keep their geometry, positions and modality tags (a cut root's position
-    # is a root's: none)
+def _carried_attrs(tree, keep: Optional[Tensor], roots: Tensor) -> Dict[str, Tensor]:
+    """The node attributes a cut of ``tree`` keeps (geometry, positions, modality tags),
+    of the nodes ``keep`` (a mask; ``None``: every node), with the positions of the new
+    roots ``roots`` (node ids) a root's: none."""
     attrs = {name: getattr(tree, name) for name in ("geometry", "position", "modality")
              if isinstance(getattr(tree, name, None), Tensor)}
     if "position" in attrs:
         attrs["position"] = attrs["position"].clone()
         attrs["position"][roots.to(attrs["position"].device)] = -1
-    return NestedSignal.from_parents(cut, **attrs)
+    if keep is not None:
+        attrs = {name: value[keep.to(value.device)] for name, value in attrs.items()}
+    return attrs
+
+
+def _family_scope(tree, rows: Tensor):
+    """``tree`` cut above the parents of leaf rows ``rows``: each of those parents becomes
+    the root of its own tree, so that HSA confines the rows to their families' subtrees.
+    The leaves stay the same rows (a node cut off from every one of its children would
+    become a leaf: refused, naming it)."""
+    from ..signal import NestedSignal
+
+    parent = tree.parent.to(rows.device)
+    internal = ~tree.is_leaf.to(rows.device)
+    roots = parent[tree.leaf_index.to(rows.device)[rows]]
+    roots = roots[roots >= 0]                        # a lone leaf is a tree already
+    cut = parent.clone()
+    cut[roots] = -1
+    kept = torch.zeros_like(internal)
+    kept[cut[cut >= 0]] = True                       # nodes that still have a child
+    orphaned = internal & ~kept
+    if bool(orphaned.any()):
+        node = int(orphaned.nonzero()[0])
+        raise ValueError(f"a scoped layer cuts node {node} off every one of its children "
+                         f"(they are all parents of the layer's rows): it would become a leaf")
+    return NestedSignal.from_parents(cut, **_carried_attrs(tree, None, roots))
+
+
+def _sibling_forest(tree, rows: Tensor) -> Tuple[Any, Tensor]:
+    """The families of leaf rows ``rows``, each a tree of its leaves alone (its parent
+    over its leaf children; HSA over it is softmax attention among them), as one forest,
+    and the leaf rows of ``tree`` it holds (its leaves, in order: every leaf child of
+    those parents; a row without a parent is a tree of its own). Nothing else is
+    kept, so a layer over the forest costs what the families hold."""
+    from ..signal import NestedSignal
+
+    parent = tree.parent.to(rows.device)
+    leaf_index = tree.leaf_index.to(rows.device)
+    leaf_parent = parent[leaf_index]
+    is_root = torch.zeros(parent.shape[0] + 1, dtype=torch.bool, device=rows.device)
+    is_root[leaf_parent[rows]] = True                # index -1: the spare last entry
+    held = is_root[leaf_parent] & (leaf_parent >= 0)
+    held[rows] = True
+    held = held.nonzero().view(-1)
+    roots = is_root[:-1].nonzero().view(-1)
+    keep = is_root[:-1].clone()
+    keep[leaf_index[held]] = True
+    new_id = keep.cumsum(0) - 1
+    cut = torch.where(is_root[:-1], -1, new_id[parent.clamp_min(0)])
+    cut = torch.where(parent < 0, -1, cut)[keep]
+    return NestedSignal.from_parents(cut, **_carried_attrs(tree, keep, roots)), held
 
 
 class HierarchicalTransformerEncoder(Module):
@@ -300,17 +325,18 @@ class HierarchicalTransformerEncoder(Module):
     Node tokens: a tree with ``mirror_index`` and ``mirror_source_index`` (node ids of
     leaves, e.g. :func:`~hsa_graph.datasets.listops.listops_tree`'s ``node_tokens``) has
     each leaf of ``mirror_index`` stand for the leaf of ``mirror_source_index`` at the
-    same place: after every layer its features are replaced by that leaf's, so a leaf
-    placed in one family (an operator among its arguments) is read in another (its
-    parent's) as one vector, one level further up per layer.
+    same place: after every layer (every turn, below) its features are replaced by that
+    leaf's, so a leaf placed in one family (an operator among its arguments) is read in
+    another (its parent's) as one vector, one level further up per layer.
 
     The leaf outputs can be read out with :mod:`hsa_graph.nn.pool`: one vector per
     tree (:func:`~hsa_graph.nn.global_leaf_pool`) or per node, internal nodes
     included (:func:`~hsa_graph.nn.subtree_pool`).
 
     Layer schedule: a tree with ``update_layer`` (``[N]`` long, one entry per leaf, in
-    ``0 .. num_layers``) has leaf ``i`` take the output of layer ``update_layer[i]``
-    alone and keep its features through every other layer (``0``: its input, for
+    ``0 .. num_layers``, or ``0 ..`` :attr:`num_turns` with turns, below) has leaf
+    ``i`` take the output of layer ``update_layer[i]`` alone and keep its features
+    through every other layer (``0``: its input, for
     good); a layer's attention reads every row, its residual, norms and feed-forward
     network run on the rows of its turn alone, and a layer whose turn no leaf has is
     skipped. Each leaf is then computed once, by the layer its place in the tree
@@ -322,7 +348,18 @@ class HierarchicalTransformerEncoder(Module):
     the tree cut above the parents of its turn's rows instead: each row sees its own
     family's subtree alone (its siblings, and its siblings' subtrees as HSA's blocks),
     nothing outside it; with ``scope="siblings"`` the subtrees are cut off too, and each
-    row sees its family's leaves alone (softmax attention among them).
+    row sees its family's leaves alone (softmax attention among them): the layer then
+    runs on those families' leaves alone (one forest per turn), so a leaf costs the
+    layers of its own family's turn, not every layer.
+
+    Turns: with ``turn_layers=B`` the stack is ``num_layers / B`` turns of ``B``
+    consecutive layers, ``update_layer`` counts turns, and the leaves of turn ``t`` take
+    the output of its ``B`` layers, one after the other, each reading what the previous
+    one left (the other leaves keep their features); node tokens are copied after each
+    turn. So when every leaf of a family shares its turn (a ListOps operator token, its
+    digits and its nested operators' node tokens at the operator's height: the
+    ``hsa-tree-bottom-up-families`` variant), each family is computed by ``B`` layers over
+    all its members, deepest first, as a recursive tree model composes.
 
     Args:
         channels: leaf feature size ``C``.
@@ -339,8 +376,10 @@ class HierarchicalTransformerEncoder(Module):
             ``graph_dim``, ``bias``).
         scope: with a layer schedule, what a layer's rows attend over: ``"tree"`` (the
             whole tree), ``"family"`` (their parents' subtrees) or ``"siblings"``
-            (their parents' leaf children); the last two build one tree per layer and
+            (their parents' leaf children); the last two build one tree per turn and
             forward, from the tree's ``parent`` and ``leaf_index``.
+        turn_layers: layers per turn of a layer schedule (``num_layers`` must be a
+            multiple); ``1``: a turn is a layer.
         **kwargs: further arguments of the layer (``ffn_channels``, ``act``,
             ``dropout``, ``num_modalities``, ``include_self``, ``head_channels``, ...).
 
@@ -365,7 +404,7 @@ class HierarchicalTransformerEncoder(Module):
     def __init__(self, channels: int, num_layers: int, heads: int = 1, *, layer: str = "hte",
                  attention: str = "hierarchical", pos_dim: Optional[int] = None,
                  pos_kwargs: Optional[Dict[str, Any]] = None, scope: str = "tree",
-                 **kwargs: Any):
+                 turn_layers: int = 1, **kwargs: Any):
         super().__init__()
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
@@ -373,14 +412,18 @@ class HierarchicalTransformerEncoder(Module):
             raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        for name, value in (("num_layers", num_layers), ("turn_layers", turn_layers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_layers % turn_layers:
+            raise ValueError(f"num_layers ({num_layers}) must be a multiple of turn_layers "
+                             f"({turn_layers}): a turn is turn_layers layers")
         pos_kwargs = dict(pos_kwargs or {})
         if pos_dim is not None and "field_names" not in pos_kwargs:
             # one field-name table for the whole stack: the raw features are shared
             pos_kwargs["field_names"] = FieldNameEmbedding(pos_kwargs.get("dim", 32))
         self.channels, self.num_layers, self.layer_type = channels, num_layers, layer
-        self.attention, self.scope = attention, scope
+        self.attention, self.scope, self.turn_layers = attention, scope, turn_layers
         self.layers = ModuleList([
             _LAYERS[layer](channels, heads, attention=attention, pos_dim=pos_dim,
                            pos_kwargs=pos_kwargs if pos_dim is not None else None, **kwargs)
@@ -394,49 +437,70 @@ class HierarchicalTransformerEncoder(Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
+    @property
+    def num_turns(self) -> int:
+        """The turns of the stack: ``turn_layers`` consecutive layers each (with shared
+        weights one module may fill several)."""
+        return len(self.layers) // self.turn_layers
+
     def forward(self, x: Tensor, tree) -> Tensor:
         """``[N, C] -> [N, C]``: leaf outputs."""
         check_features(self, x)
+        if len(self.layers) % self.turn_layers:
+            raise ValueError(f"the encoder's {len(self.layers)} layers do not split into "
+                             f"turns of turn_layers={self.turn_layers}")
         target = attention_tree(tree, self.attention)
         encoder = self.layers[0].attn.pos_encoder
         # an inducing layer embeds the tree it builds, not the given one
         features = (encoder.features(target) if encoder is not None and target is not None
                     and self.layers[0].attn.induce is None else None)
         mirrors = _mirror_rows(tree, x)
-        # len(self.layers): with shared weights one module is repeated
-        turns = _update_layers(tree, x, len(self.layers))
+        turns = _update_layers(tree, x, self.num_turns)
         if self.scope != "tree" and turns is None:
             raise ValueError(f"scope={self.scope!r} confines a layer's rows: it needs a "
                              f"layer schedule (the tree's update_layer)")
-        shared = None
-        if self.scope == "siblings":
-            # One tree for every layer: cut above the parents of all scheduled rows, each
-            # of those families is a tree of its leaves alone, as in its own layer's cut,
-            # and HSA reads nothing across trees. (Per layer where that cut would strip a
-            # node of every child, so that its own layer's cut decides.)
-            scheduled = [r for r in turns if r is not None]
-            cut = (_family_scope(tree, torch.cat(scheduled), siblings=True, refuse=False)
-                   if scheduled else None)
-            if cut is not None:
-                shared = (cut, None if features is None else encoder.features(cut))
-        for t, layer in enumerate(self.layers):
+        for t in range(self.num_turns):
+            stack = self.layers[t * self.turn_layers:(t + 1) * self.turn_layers]
             if turns is None:
-                x = layer(x, tree, features)
-            elif turns[t] is None:  # nobody's turn: nothing changes
-                continue
+                for layer in stack:
+                    x = layer(x, tree, features)
+            elif turns[t] is not None:  # (nobody's turn: nothing changes)
+                x = self._turn(x, tree, features, turns[t], stack)
             else:
-                scoped, scoped_features = (tree, features) if shared is None else shared
-                if self.scope != "tree" and shared is None:
-                    scoped = _family_scope(tree, turns[t], siblings=self.scope == "siblings")
-                    scoped_features = None if features is None else encoder.features(scoped)
-                x = x.index_copy(0, turns[t], layer(x, scoped, scoped_features, rows=turns[t]))
+                continue
             if mirrors is not None:
                 x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)
+
+    def _turn(self, x: Tensor, tree, features: Optional[Tensor], rows: Tensor,
+              stack: ModuleList) -> Tensor:
+        """``x`` with leaf rows ``rows`` replaced by the output of the layers ``stack``,
+        one after the other, each reading what the previous one left (the other rows
+        keep their features), over what ``self.scope`` lets the rows see."""
+        encoder = self.layers[0].attn.pos_encoder
+        held = None                                  # the rows the layers compute over
+        if self.scope == "tree":
+            scoped, scoped_features = tree, features
+        elif self.scope == "family":
+            scoped = _family_scope(tree, rows)
+            scoped_features = None if features is None else encoder.features(scoped)
+        else:  # the rows' families alone: nothing else is computed
+            scoped, held = _sibling_forest(tree, rows)
+            scoped_features = None if features is None else encoder.features(scoped)
+        h = x if held is None else x[held]
+        local = rows if held is None else (
+            None if held.numel() == rows.numel() else torch.searchsorted(held, rows))
+        for layer in stack:
+            out = layer(h, scoped, scoped_features, rows=local)
+            h = out if local is None else h.index_copy(0, local, out)
+        if held is None:
+            return h
+        return x.index_copy(0, rows, h if local is None else h[local])
 
     def __repr__(self) -> str:
         first = self.layers[0].attn
         return (f"{self.__class__.__name__}({self.channels}, num_layers={self.num_layers}, "
                 f"heads={first.heads}, layer={self.layer_type!r}, "
                 f"attention={self.attention!r}, pos_dim={first.pos_dim}"
-                + (f", scope={self.scope!r}" if self.scope != "tree" else "") + ")")
+                + (f", scope={self.scope!r}" if self.scope != "tree" else "")
+                + (f", turn_layers={self.turn_layers}" if self.turn_layers != 1 else "") + ")")

@@ -830,57 +830,115 @@ def test_node_tokens_carry_a_nested_operator_that_its_subtree_mean_cannot():
 
 
 # ------------------------------------------------------------------ bottom-up schedule
-def _heights_by_hand(expr):
-    """Each word's update layer by a bracket matcher: an operator's height (1 over digits
-    only), 0 for a digit; ``]`` dropped."""
-    words, heights, opens = expr.split(), {}, []
+def _bracket_match(expr):
+    """The words of ``expr``, each operator's height (1 over digits only) by the index of
+    its word, and each word's enclosing operator (its word's index; ``None``: none), by a
+    bracket matcher."""
+    words, height, opens, owner = expr.split(), {}, [], []
     for t, w in enumerate(words):
+        owner.append(opens[-1][0] if opens else None)
         if w.startswith("["):
             opens.append([t, 1])
         elif w == "]":
             start, h = opens.pop()
-            heights[start] = h
+            height[start] = h
             if opens:
                 opens[-1][1] = max(opens[-1][1], h + 1)
-    return [heights.get(t, 0) for t, w in enumerate(words) if w != "]"]
+    return words, height, owner
 
 
-def test_bottom_up_examples_schedule_each_operator_at_its_height():
+def _schedule_by_hand(expr, families):
+    """Each leaf's ``update_layer`` in a tree with node tokens (each just before its
+    operator); ``]`` dropped. Bottom-up: an operator token's height, 0 for the others
+    (digits; node tokens are copied). With ``families``: every token's family's, an
+    operator token's own height, a digit's and a node token's that of the operator
+    whose argument it is (0 for a lone digit)."""
+    words, height, owner = _bracket_match(expr)
+    out = []
+    for t, w in enumerate(words):
+        of_parent = height[owner[t]] if families and owner[t] is not None else 0
+        if w.startswith("[") and owner[t] is not None:
+            out.append(of_parent)                       # its node token
+        if w != "]":
+            out.append(height[t] if w.startswith("[") else of_parent)
+    return out
+
+
+@pytest.mark.parametrize("structure,expected", [
+    # x: [SM [MAX [MAX 2 9 [MIN [MIN 4 7 0 [MED [MED 1 2 3; [MIN 5 [SM [SM 3 4; 7
+    ("parse_bottom_up", [[3, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0], [2, 0, 0, 1, 0, 0],
+                         [0]]),
+    ("parse_bottom_up_families", [[3, 3, 2, 2, 2, 2, 1, 1, 1, 3, 3, 1, 1, 1, 1],
+                                  [2, 2, 2, 1, 1, 1], [0]])])
+def test_scheduled_examples_schedule_each_token(structure, expected):
+    """``parse_bottom_up``: each operator at its height; ``parse_bottom_up_families``:
+    every token at its family's operator's height, so a family shares its turn."""
     rows = [("[SM [MAX 2 9 [MIN 4 7 ] ] 0 [MED 1 2 3 ] ]", 1), ("[MIN 5 [SM 3 4 ] ]", 5),
             ("7", 7)]
-    trees = build_examples(rows, "parse_bottom_up")
-    # x: [SM [MAX [MAX 2 9 [MIN [MIN 4 7 0 [MED [MED 1 2 3: each node token (copied) 0
-    assert trees[0].update_layer.tolist() == [3, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
-    assert trees[1].update_layer.tolist() == [2, 0, 0, 1, 0, 0]
-    assert trees[2].update_layer.tolist() == [0]
+    assert [t.update_layer.tolist() for t in build_examples(rows, structure)] == expected
     rows += [(e, v) for e, v in generate_listops(40, seed=3, max_depth=5, max_args=4,
                                                  min_length=3, max_length=60)]
     nodes = build_examples(rows, "parse_nodes")
-    for tree, plain, (expr, _) in zip(build_examples(rows, "parse_bottom_up"), nodes, rows):
+    for tree, plain, (expr, _) in zip(build_examples(rows, structure), nodes, rows):
         for key in ("x", "nesting", "mirror_index", "mirror_source_index", "edge_index",
                     "position"):
             assert torch.equal(tree[key], plain[key]), key
-        # node tokens removed, the rest is each word's height
-        row = {int(n): i for i, n in enumerate(tree.leaf_index)}
-        copied = {row[int(n)] for n in tree.mirror_index}
-        assert all(tree.update_layer[i] == 0 for i in copied)
-        assert [h for i, h in enumerate(tree.update_layer.tolist()) if i not in copied] == \
-            _heights_by_hand(expr)
+        families = structure == "parse_bottom_up_families"
+        assert tree.update_layer.tolist() == _schedule_by_hand(expr, families)
+        if families:  # every leaf of a family shares its turn
+            parent = tree.parent[tree.leaf_index]
+            for node in parent.unique().tolist():
+                assert tree.update_layer[parent == node].unique().numel() == 1
+
+
+def test_turn_layers_are_for_scheduled_variants():
+    import argparse
+
+    from hsa_graph.experiments.listops import add_arguments, config_from_args
+
+    parser = add_arguments(argparse.ArgumentParser())
+    config = config_from_args(parser.parse_args(
+        ["--quick", "--variants", "hsa-tree-bottom-up-families", "--turn-layers", "3"]))
+    assert config.turn_layers == 3 and config.model_spec()["turn_layers"] == 3
+    for variant in ("hsa-tree", "fsa", "tree-recursive", "h-transformer-1d"):
+        with pytest.raises(ValueError, match=f"turn_layers=2 .*the {variant} variant has"):
+            ListOpsConfig(variants=(variant,), turn_layers=2).validate()
+        with pytest.raises(ValueError, match=f"turn_layers=2 .*the {variant} variant has"):
+            build_model(variant, turn_layers=2)
+    with pytest.raises(ValueError, match="turn_layers must be a positive int"):
+        ListOpsConfig(variants=("hsa-tree-bottom-up",), turn_layers=0).validate()
+    one = build_model("hsa-tree-bottom-up-families", channels=8, heads=2, layers=3,
+                      share_weights=True, turn_layers=1, pos_dim=None)
+    two = build_model("hsa-tree-bottom-up-families", channels=8, heads=2, layers=3,
+                      share_weights=True, turn_layers=2, pos_dim=None)
+    encoder = two.classifier.encoder
+    assert encoder.num_turns == 3 and len(encoder.layers) == 6
+    assert encoder.layers[0] is encoder.layers[2] is not encoder.layers[1]
+    per_layer = sum(p.numel() for p in encoder.layers[0].parameters())
+    assert (sum(p.numel() for p in two.parameters())
+            == sum(p.numel() for p in one.parameters()) + per_layer)
+    distinct = build_model("hsa-tree-bottom-up", channels=8, heads=2, layers=3,
+                           turn_layers=2, pos_dim=None).classifier.encoder
+    assert len({id(layer) for layer in distinct.layers}) == 6
 
 
 @pytest.mark.parametrize("variant", ["hsa-tree-bottom-up", "hsa-tree-bottom-up-family",
-                                     "hsa-tree-bottom-up-siblings"])
+                                     "hsa-tree-bottom-up-siblings",
+                                     "hsa-tree-bottom-up-families"])
 def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path, variant):
     spec = {**TINY, "seeds": 1, "layers": 2, "share_weights": True, "pool": "first",
-            "include_self": True, "pos_dim": None, "layer": "pre_norm"}
+            "include_self": True, "pos_dim": None, "layer": "pre_norm",
+            "turn_layers": 2 if variant.endswith("families") else 1}
     result = run_listops(ListOpsConfig(variants=(variant,), output_dir=str(tmp_path),
                                        **spec))
     run, = result["runs"]
     assert run["variant"] == variant and len(run["history"]) == 2
     data = generate_listops_test_file(tmp_path, result)
     _, _, model = load_model(run["checkpoint"])
-    assert model.classifier.encoder.scope == {"hsa-tree-bottom-up": "tree"}.get(
-        variant, variant.rsplit("-", 1)[1])
+    encoder = model.classifier.encoder
+    assert encoder.scope == {"hsa-tree-bottom-up": "tree", "hsa-tree-bottom-up-families":
+                             "siblings"}.get(variant, variant.rsplit("-", 1)[1])
+    assert encoder.turn_layers == spec["turn_layers"] and encoder.num_turns == 2
     metrics = evaluate_checkpoint(run["checkpoint"], str(data))
     assert metrics["accuracy"] == pytest.approx(run["test_accuracy"])
     # one level per layer: deeper data than layers is refused, naming both

@@ -405,16 +405,20 @@ def test_training_on_cuda(sentences, autocast_dtype):
     assert losses[-1] < 0.5 * losses[0]
 
 
-@pytest.mark.parametrize("step,builds", [([1, 0, 2, 0], 2), ([1, 0, 1, 2, 0, 0, 0], 1)])
-def test_siblings_scope_cuts_once_per_forward(step, builds, monkeypatch):
-    """``scope="siblings"`` builds one cut tree for all its layers (each family is a tree
-    of its leaves alone there, as in its own layer's cut), and one per layer where that
-    cut would strip a node of every child (here node 0, whose children are both
-    scheduled parents); the result is the per-layer one either way."""
+@pytest.mark.parametrize("step,held", [([1, 0, 2, 0], [[0, 1], [2, 3]]),
+                                       ([1, 0, 1, 2, 0, 0, 0], [[0, 1, 2], [3, 4, 5]]),
+                                       ([1, 0, 0, 2, 0, 0, 2, 1], [[0, 1, 2, 7],
+                                                                   [3, 4, 5, 6]])])
+def test_siblings_scope_computes_the_turn_s_families_alone(step, held, monkeypatch):
+    """``scope="siblings"`` runs each turn's layers over its rows' families alone (one
+    forest per turn, the families' leaf rows and nothing else: ``held``), with the
+    result of the whole tree cut above the rows' parents and their internal children.
+    The trees: node 0 over nodes 1 and 2 (and a leaf, 9, in the second and third), and
+    in the third a lone leaf (node 10, row 7), scheduled: a tree of its own."""
     import hsa_graph.nn.encoder as encoder_module
 
-    parent = ([-1, 0, 0, 1, 1, 2, 2] if len(step) == 4
-              else [-1, 0, 0, 1, 1, 1, 2, 2, 2, 0])   # the second: node 0 keeps a leaf
+    parent = {4: [-1, 0, 0, 1, 1, 2, 2], 7: [-1, 0, 0, 1, 1, 1, 2, 2, 2, 0],
+              8: [-1, 0, 0, 1, 1, 1, 2, 2, 2, 0, -1]}[len(step)]
     tree = NestedSignal.from_parents(parent)
     tree.update_layer = torch.tensor(step)
     torch.manual_seed(5)
@@ -422,19 +426,89 @@ def test_siblings_scope_cuts_once_per_forward(step, builds, monkeypatch):
                                              scope="siblings").to(DT)
     randomise_norms(encoder)
     x = torch.randn(len(step), 4, dtype=DT)
-    calls = []
-    real = encoder_module._family_scope
+    forests, sizes = [], []
+    real = encoder_module._sibling_forest
 
     def spy(*args, **kwargs):
-        calls.append(args[1].numel())
-        return real(*args, **kwargs)
+        forest, rows = real(*args, **kwargs)
+        forests.append(rows.tolist())
+        return forest, rows
 
-    monkeypatch.setattr(encoder_module, "_family_scope", spy)
+    monkeypatch.setattr(encoder_module, "_sibling_forest", spy)
+    handles = [layer.register_forward_pre_hook(
+        lambda module, args: sizes.append(args[0].shape[0])) for layer in encoder.layers]
     out = encoder(x, tree)
-    assert len(calls) == 1 + (builds > 1) * builds     # the shared try, then per layer
+    for handle in handles:
+        handle.remove()
+    assert forests == held and sizes == [len(rows) for rows in held]
     h = x.clone()
-    for t, block in enumerate(encoder.layers, 1):      # by hand, a cut tree per layer
+    for t, block in enumerate(encoder.layers, 1):      # by hand, the whole tree cut
         turn = [i for i in range(len(step)) if step[i] == t]
         scoped = NestedSignal.from_parents(_cut_above(tree, turn, siblings=True))
         h[turn] = block(h, scoped)[turn]
     torch.testing.assert_close(out, encoder.norm(h), **TOL)
+
+
+@pytest.mark.parametrize("scope", ["tree", "family", "siblings"])
+@pytest.mark.parametrize("layer", ["hte", "pre_norm"])
+def test_turn_layers_run_a_stack_per_turn(layer, scope):
+    """With ``turn_layers=2`` turn ``t`` is layers ``2t - 1`` and ``2t``, one after the
+    other over the turn's rows (the others keep their features between them), and the
+    node tokens take their sources' features after each turn, not between its layers:
+    here every leaf of a family shares its turn, node tokens included."""
+    trees, batch, encoder, x, rows, sources = _node_token_case(layer, 4, 9, scope=scope)
+    for tree in trees:
+        tree.update_layer = _family_turns(tree)
+    batch = Batch.from_data_list(trees)
+    encoder = HierarchicalTransformerEncoder(6, 4, heads=2, layer=layer, pos_dim=2,
+                                             scope=scope, turn_layers=2).to(DT)
+    randomise_norms(encoder)
+    assert encoder.num_turns == 2 and "turn_layers=2" in repr(encoder)
+    step = batch.update_layer.tolist()
+    assert set(step) == {1, 2} and {step[i] for i in rows} == {2}
+    h = x.clone()
+    for t in (1, 2):                                   # by hand, a cut tree per turn
+        turn = [i for i in range(len(step)) if step[i] == t]
+        scoped, features = batch, encoder.layers[0].attn.pos_encoder.features(batch)
+        if scope != "tree":
+            position = batch.position.clone()
+            cut = _cut_above(batch, turn, siblings=scope == "siblings")
+            position[[u for u in range(len(cut)) if cut[u] < 0]] = -1
+            scoped = NestedSignal.from_parents(cut, geometry=batch.geometry,
+                                               position=position)
+            features = encoder.layers[0].attn.pos_encoder.features(scoped)
+        for block in encoder.layers[2 * t - 2:2 * t]:
+            h[turn] = block(h, scoped, features)[turn]
+        h[rows] = h[sources]
+    expected = h if encoder.norm is None else encoder.norm(h)
+    out = encoder(x, batch)
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(out, _tree_by_tree(encoder, x, trees), **TOL)
+    encoder.turn_layers = 1                            # four turns of one: another result
+    batch.update_layer = batch.update_layer * 2 - 1
+    assert not torch.allclose(encoder(x, batch), out)
+
+
+def _family_turns(batch):
+    """Each leaf's turn: 1 in a family of leaves alone, 2 in one with an internal child
+    (by hand, from the parent list)."""
+    parent = batch.parent.tolist()
+    leaves = [u for u in range(len(parent)) if u not in parent]
+    has_internal = {parent[u] for u in range(len(parent)) if u in parent and parent[u] >= 0}
+    return torch.tensor([2 if parent[u] in has_internal else 1 for u in leaves])
+
+
+def test_turn_layers_are_checked():
+    with pytest.raises(ValueError, match="multiple of turn_layers"):
+        HierarchicalTransformerEncoder(4, 3, turn_layers=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="turn_layers must be a positive int"):
+            HierarchicalTransformerEncoder(4, 2, turn_layers=bad)
+    tree = NestedSignal.from_parents(PARENT)
+    tree.update_layer = torch.tensor([0, 1, 2, 0, 0, 0, 0])
+    encoder = HierarchicalTransformerEncoder(4, 2, turn_layers=2)
+    with pytest.raises(ValueError, match="0..1.*got 2"):   # one turn of two layers
+        encoder(torch.randn(N_LEAVES, 4), tree)
+    encoder.layers = torch.nn.ModuleList([encoder.layers[0]] * 3)   # miscounted
+    with pytest.raises(ValueError, match="3 layers do not split into turns"):
+        encoder(torch.randn(N_LEAVES, 4), tree)
