@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["CausalLevel", "CausalPlan", "CausalTiles", "ChildGroup", "ChildLevel", "FamilyBucket",
-           "FamilyIndex", "FlatTrees", "Groups", "SharedSourceGather", "TreeStructure"]
+           "FamilyIndex", "FlatTrees", "ForestCut", "Groups", "SharedSourceGather",
+           "TreeStructure"]
 
 
 def records_grad(*tensors: Optional[Tensor]) -> bool:
@@ -449,6 +450,27 @@ class ChildLevel:
 
 
 @dataclass(frozen=True)
+class ForestCut:
+    """Some nodes of a forest as a forest of their own, in node index order, as
+    :meth:`~hsa_graph.NestedSignal.from_parents` takes it (see
+    :meth:`TreeStructure.family_forest` and :meth:`TreeStructure.cut_above`).
+
+    Attributes:
+        parent: ``[K]`` each kept node's parent, as its position among the kept nodes;
+            ``-1`` for a root.
+        kept: ``[M]`` mask of the kept nodes (node order), or ``None``: every node.
+        roots: node ids of the nodes the cut made roots (roots before it not included).
+        leaf_rows: the leaf rows held, increasing (the cut's leaves, in order), or
+            ``None``: every leaf.
+    """
+
+    parent: Tensor
+    kept: Optional[Tensor]
+    roots: Tensor
+    leaf_rows: Optional[Tensor]
+
+
+@dataclass(frozen=True)
 class TreeStructure:
     r"""Levels, families, leaf counts and sibling slots of a forest.
 
@@ -569,6 +591,60 @@ class TreeStructure:
         n, i = self.num_leaves, self.num_internal
         both = torch.cat([self.leaf_parent, self.internal_parent])
         return torch.where(both == i, -1, both + n)
+
+    def family_forest(self, leaf_rows: Tensor) -> ForestCut:
+        """The families of leaf rows ``leaf_rows`` (``[n]``, long), each its parent over
+        that parent's leaf children alone (the internal children dropped), as one
+        forest; a row whose leaf is a root is a tree of its own. Attention over it is
+        attention among each family's leaves, at the cost of those leaves alone."""
+        n, i = self.num_leaves, self.num_internal
+        is_root = torch.zeros(i + 1, dtype=torch.bool, device=self.device)
+        is_root[self.leaf_parent[leaf_rows]] = True
+        is_root[i] = False                               # the null row: no family
+        held = is_root[self.leaf_parent]
+        held[leaf_rows] = True
+        kept = torch.cat([held, is_root[:i]])            # unified order
+        return self._forest_cut(kept, torch.cat([held.new_zeros(n), is_root[:i]]),
+                                held.nonzero().view(-1))
+
+    def cut_above(self, leaf_rows: Tensor, what: str = "the cut") -> ForestCut:
+        """Every node, with the parents of leaf rows ``leaf_rows`` (``[n]``, long) made
+        roots: attention over it confines those rows to their parents' subtrees.
+
+        Raises:
+            ValueError: naming ``what`` and the node, where a node would lose every
+                child (all of them parents of ``leaf_rows``) and become a leaf.
+        """
+        n, m = self.num_leaves, self.num_nodes
+        parent = self.parent_unified()
+        is_root = torch.zeros(m + 1, dtype=torch.bool, device=self.device)
+        is_root[parent[leaf_rows]] = True                # -1 (a root leaf): the spare
+        is_root = is_root[:m]
+        has_child = torch.zeros(m + 1, dtype=torch.bool, device=self.device)
+        has_child[parent.masked_fill(is_root, -1)] = True
+        orphaned = self.to_node_order(~has_child[:m] & (torch.arange(
+            m, device=self.device) >= n))
+        if bool(orphaned.any()):
+            node = int(orphaned.nonzero()[0])
+            raise ValueError(f"{what} cuts node {node} off every one of its children "
+                             f"(they are all parents of its rows): it would become a leaf")
+        return self._forest_cut(None, is_root, None)
+
+    def _forest_cut(self, kept: Optional[Tensor], roots: Tensor,
+                    leaf_rows: Optional[Tensor]) -> ForestCut:
+        """The :class:`ForestCut` of the nodes ``kept`` (a unified mask; ``None``: all)
+        with the nodes ``roots`` (a unified mask) made roots."""
+        parent = self.parent_unified()
+        node_parent = torch.where(parent < 0, -1, self.node_of_unified[parent.clamp_min(0)])
+        node_parent, roots = self.to_node_order(node_parent), self.to_node_order(roots)
+        if kept is not None:
+            kept = self.to_node_order(kept)
+            new_id = kept.cumsum(0) - 1                  # position among the kept nodes
+        else:
+            new_id = torch.arange(self.num_nodes, device=self.device)
+        cut = torch.where(roots | (node_parent < 0), -1, new_id[node_parent.clamp_min(0)])
+        return ForestCut(parent=cut if kept is None else cut[kept], kept=kept,
+                         roots=roots.nonzero().view(-1), leaf_rows=leaf_rows)
 
     def to_unified(self, values: Tensor) -> Tensor:
         """Rows in node index order ``[M, ...]`` (e.g. positions) -> unified order."""

@@ -1024,3 +1024,78 @@ def test_tree_root_is_each_tree_s_root_in_tree_order():
     assert roots == [0, 5, 6]
     # the tree of each leaf, by that order, is the tree its root heads
     assert structure.leaf_tree.tolist() == [0, 0, 0, 1, 2, 2]
+
+
+def _forest_cut_by_hand(parent, rows, families):
+    """The cut of ``structure.family_forest`` (``families``) or ``cut_above``, from the
+    parent list alone: (parent among the kept, kept node ids, new roots, leaf rows)."""
+    leaves = [u for u in range(len(parent)) if u not in parent]
+    roots = sorted({parent[leaves[r]] for r in rows} - {-1})
+    if not families:
+        return [-1 if u in roots else p for u, p in enumerate(parent)], None, roots, None
+    held = sorted(set(rows) | {r for r, u in enumerate(leaves) if parent[u] in roots})
+    kept = sorted(set(roots) | {leaves[r] for r in held})
+    cut = [-1 if u in roots or parent[u] < 0 else kept.index(parent[u]) for u in kept]
+    return cut, kept, roots, held
+
+
+def _random_parents(gen, size):
+    parent = [-1]
+    for u in range(1, size):                      # a few roots, the rest anywhere before
+        parent.append(-1 if torch.rand(1, generator=gen) < 0.1 else
+                      int(torch.randint(u, (1,), generator=gen)))
+    return parent
+
+
+@pytest.mark.parametrize("families", [True, False])
+def test_forest_cuts_match_the_parent_list(families):
+    """``family_forest`` (the rows' families, leaf children alone) and ``cut_above``
+    (every node, the rows' parents made roots) against the parent list: by hand on a
+    tree whose leaves and internal nodes interleave in node order (with a lone root
+    leaf), then on random forests, alone and batched."""
+    parent = [-1, 0, 1, 1, 0, 4, 4, 0, -1]       # leaves 2, 3, 5, 6, 7, 8: rows 0..5
+    expect = {True: [([-1, 0, 0], [1]), ([-1, 0], [0]), ([-1], []),
+                     ([-1, 0, 0, -1, 3, 3, -1], [1, 4])],
+              False: [([-1, -1, 1, 1, 0, 4, 4, 0, -1], [1]),
+                      ([-1, 0, 1, 1, 0, 4, 4, 0, -1], [0]), (parent, []),
+                      ([-1, -1, 1, 1, -1, 4, 4, 0, -1], [1, 4])]}[families]
+    for rows, (cut_parent, roots) in zip([[0], [4], [5], [0, 3, 5]], expect):
+        assert _forest_cut_by_hand(parent, rows, families)[::2] == (cut_parent, roots)
+    cases = [(NestedSignal.from_parents(parent), rows) for rows in ([0], [4], [5], [0, 3, 5])]
+    gen = torch.Generator().manual_seed(3)
+    forests = [_random_parents(gen, int(torch.randint(2, 30, (1,), generator=gen)))
+               for _ in range(12)]
+    for tree in [NestedSignal.from_parents(p) for p in forests[:4]] + [
+            Batch.from_data_list([NestedSignal.from_parents(p) for p in forests[4:]])]:
+        for _ in range(8):
+            count = int(torch.randint(1, 4, (1,), generator=gen))
+            rows = torch.randint(tree.num_leaves, (count,), generator=gen)
+            cases.append((tree, sorted(set(rows.tolist()))))
+    outcomes = defaultdict(int)
+    for tree, rows in cases:
+        want = _forest_cut_by_hand(tree.parent.tolist(), rows, families)
+        call = tree.structure.family_forest if families else tree.structure.cut_above
+        childless = set() if families else {
+            u for u in set(tree.parent.tolist()) - {-1} if u not in want[0]}
+        if childless:                            # cut_above refuses to make a leaf
+            with pytest.raises(ValueError, match=f"cuts node {min(childless)} off"):
+                call(torch.tensor(rows))
+            outcomes["refused"] += 1
+            continue
+        cut = call(torch.tensor(rows))
+        assert cut.parent.tolist() == want[0] and cut.roots.tolist() == want[2]
+        if families:
+            assert cut.kept.nonzero().view(-1).tolist() == want[1]
+            assert cut.leaf_rows.tolist() == want[3]
+        else:
+            assert cut.kept is None and cut.leaf_rows is None
+        outcomes["cut"] += 1
+    assert outcomes["cut"] >= 15 and (families or outcomes["refused"] >= 5)
+
+
+def test_cut_above_names_a_node_left_without_children():
+    structure = NestedSignal.from_parents([-1, 0, 1, 1, 0, 4, 4]).structure
+    with pytest.raises(ValueError, match="a scoped layer cuts node 0 off every one of its "
+                                         "children"):
+        structure.cut_above(torch.tensor([0, 2]), "a scoped layer")
+    assert structure.cut_above(torch.tensor([0])).parent.tolist() == [-1, -1, 1, 1, 0, 4, 4]

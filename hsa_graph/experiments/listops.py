@@ -642,7 +642,8 @@ class ListOpsConfig:
             shallow expressions first and then on deeper ones (a curriculum).
         device: ``"cpu"`` or ``"cuda"``.
         output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
-        progress: progress output.
+        progress: progress bars; without them, one line per epoch (training loss,
+            validation accuracy, seconds).
         command: the command line (for the report).
     """
 
@@ -733,7 +734,7 @@ class ListOpsConfig:
                            weight_decay=self.weight_decay, lr_schedule=self.lr_schedule,
                            min_lr=self.min_lr, warmup_steps=self.warmup_steps, seed=seed,
                            grad_clip=self.grad_clip, device=self.device,
-                           progress=self.progress)
+                           progress=self.progress, log_epochs=not self.progress)
 
     def model_spec(self) -> Dict[str, Any]:
         """The settings :func:`build_model` takes."""
@@ -1230,7 +1231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "accuracy on every nested operator, by operator and height")
     parser.add_argument("--parens", action="store_true",
                         help="generate: write LRA's curried form with round brackets")
-    parser.add_argument("--no-progress", action="store_true", help="no progress output")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars: one line per epoch instead")
     return parser
 
 

@@ -132,6 +132,9 @@ class TrainConfig:
             ``"macro_f1"`` (alias ``"f1"``) or ``"loss"`` (smaller is better). The
             first epoch that reaches the best value wins.
         progress: show tqdm progress bars (epochs and batches; rank 0 only).
+        log_epochs: print one line per epoch to stdout (training loss, validation
+            accuracy, seconds; rank 0 only): what a long run without progress bars
+            shows in its log.
         eval_batch_size: batch size of validation (``None``: ``batch_size``).
         find_unused_parameters: passed to
             :class:`~torch.nn.parallel.DistributedDataParallel`; ``True`` lets a model
@@ -153,6 +156,7 @@ class TrainConfig:
     resume: bool = False
     select_metric: str = "accuracy"
     progress: bool = False
+    log_epochs: bool = False
     eval_batch_size: Optional[int] = None
     find_unused_parameters: bool = True
 
@@ -868,6 +872,9 @@ def fit(model: Module, train: Sequence, val: Sequence, config: TrainConfig, *,
         if show:
             epochs.set_postfix(loss=f"{entry['train_loss']:.4f}",
                                val_acc=f"{entry['val_accuracy']:.3f}")
+        if config.log_epochs and rank == 0:
+            print(f"epoch {epoch + 1}/{config.epochs}: train loss {entry['train_loss']:.4f}, "
+                  f"val accuracy {entry['val_accuracy']:.4f}, {seconds:.1f} s", flush=True)
         if ckpt_dir is not None:
             rngs = _gather_rng()  # collective: every rank takes part
             if rank == 0:

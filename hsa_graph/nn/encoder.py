@@ -250,18 +250,20 @@ def _update_layers(tree, x: Tensor, num_layers: int) -> Optional[List[Optional[T
 SCOPES = ("tree", "family", "siblings")
 
 
-def _carried_attrs(tree, keep: Optional[Tensor], roots: Tensor) -> Dict[str, Tensor]:
-    """The node attributes a cut of ``tree`` keeps (geometry, positions, modality tags),
-    of the nodes ``keep`` (a mask; ``None``: every node), with the positions of the new
-    roots ``roots`` (node ids) a root's: none."""
+def _cut_signal(tree, cut):
+    """The :class:`~hsa_graph.NestedSignal` of a :class:`~hsa_graph.structure.ForestCut`
+    of ``tree``, with the node attributes it keeps (geometry, positions, modality tags)
+    of the kept nodes; the nodes it made roots have a root's position: none."""
+    from ..signal import NestedSignal
+
     attrs = {name: getattr(tree, name) for name in ("geometry", "position", "modality")
              if isinstance(getattr(tree, name, None), Tensor)}
     if "position" in attrs:
         attrs["position"] = attrs["position"].clone()
-        attrs["position"][roots.to(attrs["position"].device)] = -1
-    if keep is not None:
-        attrs = {name: value[keep.to(value.device)] for name, value in attrs.items()}
-    return attrs
+        attrs["position"][cut.roots.to(attrs["position"].device)] = -1
+    if cut.kept is not None:
+        attrs = {name: value[cut.kept.to(value.device)] for name, value in attrs.items()}
+    return NestedSignal.from_parents(cut.parent, **attrs)
 
 
 def _family_scope(tree, rows: Tensor):
@@ -269,22 +271,8 @@ def _family_scope(tree, rows: Tensor):
     the root of its own tree, so that HSA confines the rows to their families' subtrees.
     The leaves stay the same rows (a node cut off from every one of its children would
     become a leaf: refused, naming it)."""
-    from ..signal import NestedSignal
-
-    parent = tree.parent.to(rows.device)
-    internal = ~tree.is_leaf.to(rows.device)
-    roots = parent[tree.leaf_index.to(rows.device)[rows]]
-    roots = roots[roots >= 0]                        # a lone leaf is a tree already
-    cut = parent.clone()
-    cut[roots] = -1
-    kept = torch.zeros_like(internal)
-    kept[cut[cut >= 0]] = True                       # nodes that still have a child
-    orphaned = internal & ~kept
-    if bool(orphaned.any()):
-        node = int(orphaned.nonzero()[0])
-        raise ValueError(f"a scoped layer cuts node {node} off every one of its children "
-                         f"(they are all parents of the layer's rows): it would become a leaf")
-    return NestedSignal.from_parents(cut, **_carried_attrs(tree, None, roots))
+    return _cut_signal(tree, tree.structure_for(rows.device).cut_above(
+        rows, "a scoped layer"))
 
 
 def _sibling_forest(tree, rows: Tensor) -> Tuple[Any, Tensor]:
@@ -293,23 +281,8 @@ def _sibling_forest(tree, rows: Tensor) -> Tuple[Any, Tensor]:
     and the leaf rows of ``tree`` it holds (its leaves, in order: every leaf child of
     those parents; a row without a parent is a tree of its own). Nothing else is
     kept, so a layer over the forest costs what the families hold."""
-    from ..signal import NestedSignal
-
-    parent = tree.parent.to(rows.device)
-    leaf_index = tree.leaf_index.to(rows.device)
-    leaf_parent = parent[leaf_index]
-    is_root = torch.zeros(parent.shape[0] + 1, dtype=torch.bool, device=rows.device)
-    is_root[leaf_parent[rows]] = True                # index -1: the spare last entry
-    held = is_root[leaf_parent] & (leaf_parent >= 0)
-    held[rows] = True
-    held = held.nonzero().view(-1)
-    roots = is_root[:-1].nonzero().view(-1)
-    keep = is_root[:-1].clone()
-    keep[leaf_index[held]] = True
-    new_id = keep.cumsum(0) - 1
-    cut = torch.where(is_root[:-1], -1, new_id[parent.clamp_min(0)])
-    cut = torch.where(parent < 0, -1, cut)[keep]
-    return NestedSignal.from_parents(cut, **_carried_attrs(tree, keep, roots)), held
+    cut = tree.structure_for(rows.device).family_forest(rows)
+    return _cut_signal(tree, cut), cut.leaf_rows
 
 
 class HierarchicalTransformerEncoder(Module):
@@ -464,20 +437,20 @@ class HierarchicalTransformerEncoder(Module):
             if turns is None:
                 for layer in stack:
                     x = layer(x, tree, features)
-            elif turns[t] is not None:  # (nobody's turn: nothing changes)
-                x = self._turn(x, tree, features, turns[t], stack)
-            else:
+            elif turns[t] is None:  # nobody's turn: nothing changes, nothing to copy
                 continue
+            else:
+                x = self._turn(x, tree, features, turns[t], stack, encoder)
             if mirrors is not None:
                 x = x.index_copy(0, mirrors[0], x.index_select(0, mirrors[1]))
         return x if self.norm is None else self.norm(x)
 
     def _turn(self, x: Tensor, tree, features: Optional[Tensor], rows: Tensor,
-              stack: ModuleList) -> Tensor:
+              stack: ModuleList, encoder: Optional[Module]) -> Tensor:
         """``x`` with leaf rows ``rows`` replaced by the output of the layers ``stack``,
         one after the other, each reading what the previous one left (the other rows
-        keep their features), over what ``self.scope`` lets the rows see."""
-        encoder = self.layers[0].attn.pos_encoder
+        keep their features), over what ``self.scope`` lets the rows see (``encoder``:
+        the position encoder that embeds a cut tree, where ``features`` are given)."""
         held = None                                  # the rows the layers compute over
         if self.scope == "tree":
             scoped, scoped_features = tree, features

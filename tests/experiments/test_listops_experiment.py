@@ -569,6 +569,10 @@ def test_nested_value_loss_is_the_read_out_on_each_span(variant, pool):
 def test_node_loss_trains_and_leaves_the_evaluation_to_the_root_label(tmp_path, capsys):
     config = dict(TINY, seeds=1, epochs=1)
     plain = run_listops(ListOpsConfig(variants=("hsa-tree",), **config))
+    # without progress bars, one line per epoch
+    history = plain["runs"][0]["history"][0]
+    assert (f"epoch 1/1: train loss {history['train_loss']:.4f}, val accuracy "
+            f"{history['val_accuracy']:.4f}") in capsys.readouterr().out
     with_loss = run_listops(ListOpsConfig(variants=("hsa-tree", "fsa"), node_loss=1.0,
                                           output_dir=str(tmp_path), **config))
     first, second = plain["runs"][0], with_loss["runs"][0]

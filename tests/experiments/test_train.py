@@ -422,6 +422,20 @@ def test_progress_bars(data, capsys):
     assert "epochs" in capsys.readouterr().err
 
 
+def test_epoch_log_lines(data, capsys):
+    train, val = data
+    result = fit(make_model(), train, val, TrainConfig(epochs=2, batch_size=8,
+                                                        log_epochs=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for entry, line in zip(result["history"], lines):
+        assert line.startswith(f"epoch {entry['epoch']}/2: train loss "
+                               f"{entry['train_loss']:.4f}, val accuracy "
+                               f"{entry['val_accuracy']:.4f}, ")
+    fit(make_model(), train, val, TrainConfig(epochs=1, batch_size=8))
+    assert capsys.readouterr().out == ""
+
+
 # ------------------------------------------------- issue 17: hand-edited checkpoints
 @pytest.mark.parametrize("edit, match", [
     (lambda s: s.update(epoch=-2), "'epoch' is -2"),
