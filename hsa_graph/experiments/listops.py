@@ -110,7 +110,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -641,7 +641,13 @@ class ListOpsConfig:
             starts from its checkpoint there (same model settings), e.g. to train on
             shallow expressions first and then on deeper ones (a curriculum).
         device: ``"cpu"`` or ``"cuda"``.
-        output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere).
+        output_dir: JSON, Markdown, plots and checkpoints go here (``None``: nowhere);
+            each run also writes its state after every epoch to
+            ``runs/<variant>_seed<s>/last.pt`` there (see ``resume``).
+        resume: continue each run from its state in ``output_dir`` (the epochs after
+            the last one it finished, as if it had not stopped: weights, optimizer and
+            random states); a run with no state there starts afresh. Refused where the
+            state was written under other settings (``epochs`` aside, which may grow).
         progress: progress bars; without them, one line per epoch (training loss,
             validation accuracy, seconds).
         command: the command line (for the report).
@@ -685,6 +691,7 @@ class ListOpsConfig:
     init_from: Optional[str] = None
     device: str = "cpu"
     output_dir: Optional[str] = None
+    resume: bool = False
     progress: bool = True
     command: Optional[str] = None
 
@@ -720,6 +727,8 @@ class ListOpsConfig:
         if self.turn_layers != 1 and unscheduled:
             raise ValueError(f"turn_layers={self.turn_layers} stacks layers per turn of a "
                              f"layer schedule; the {unscheduled[0]} variant has none")
+        if self.resume and self.output_dir is None:
+            raise ValueError("resume continues the runs saved under output_dir: give one")
         if self.nesting_embedding and "h-transformer-1d" in self.variants:
             raise ValueError("nesting_embedding adds to a ListOpsClassifier's token "
                              "embedding; the h-transformer-1d variant has none")
@@ -968,8 +977,12 @@ def run_listops(config: Optional[ListOpsConfig] = None) -> Dict[str, Any]:
                 print(f"[{variant} / seed {seed}] {len(sets['train'])} train, "
                       f"{len(sets['val'])} val, {len(sets['test'])} test", flush=True)
             trained = _trained_module(model, config)
+            train_config = config.train_config(seed)
+            if out_dir is not None:
+                train_config = _saved_run(config, out_dir / "runs" / f"{variant}_seed{seed}",
+                                          train_config)
             with _PeakMemory(config.device) as memory:
-                result = fit(trained, sets["train"], sets["val"], config.train_config(seed))
+                result = fit(trained, sets["train"], sets["val"], train_config)
             metrics = evaluate(model, sets["test"], batch_size=config.batch_size,
                                device=config.device, predictions=True)
             breakdown = accuracy_breakdown(metrics.pop("predictions"), splits["test"])
@@ -1116,6 +1129,32 @@ def _trained_module(model: Module, config: ListOpsConfig) -> Module:
     return NestedValueLoss(model, config.node_loss) if config.node_loss else model
 
 
+#: settings a run's saved state does not depend on (``epochs`` may grow on resume)
+_NOT_IN_STATE = ("variants", "seeds", "first_seed", "epochs", "init_from", "device",
+                 "output_dir", "resume", "progress", "command")
+
+
+def _saved_run(config: ListOpsConfig, run_dir: Path, train: TrainConfig) -> TrainConfig:
+    """``train`` writing its state after every epoch to ``run_dir`` (with the settings
+    that define the run in ``settings.json``), and, with ``config.resume`` where a state
+    is there, continuing from it: refused, naming the setting, where it differs."""
+    settings = json.loads(json.dumps({k: v for k, v in asdict(config).items()
+                                      if k not in _NOT_IN_STATE}))
+    path = run_dir / "settings.json"
+    resume = config.resume and (run_dir / "last.pt").is_file()
+    if resume:
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        for name in sorted(set(settings) | set(saved)):
+            if saved.get(name, "missing") != settings.get(name):
+                raise ValueError(f"cannot resume from {run_dir}: it was trained with "
+                                 f"{name}={saved.get(name, 'missing')!r}, this run has "
+                                 f"{name}={settings.get(name)!r}")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings, indent=1))
+    return replace(train, checkpoint_dir=str(run_dir), resume=resume)
+
+
 def _initial_model(config: ListOpsConfig, variant: str, seed: int) -> Module:
     """A fresh model of ``variant``, or with ``config.init_from`` the weights of that
     run's checkpoint of the same variant and seed (its settings must be this run's)."""
@@ -1216,6 +1255,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"{d.node_loss})")
     parser.add_argument("--init-from", default=None, help="an earlier run's --out: start "
                         "each variant and seed from its checkpoint there (a curriculum)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue each run from the state it saved under --out after "
+                        "its last finished epoch (runs/<variant>_seed<s>/last.pt); a run "
+                        "without one starts afresh")
     parser.add_argument("--data-dir", default=None, help="read basic_{train,val,test}.tsv "
                         "(LRA's format) from here instead of generating")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
@@ -1243,7 +1286,7 @@ def config_from_args(args: argparse.Namespace) -> ListOpsConfig:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if isinstance(value, list) else value
-    for flag in ("share_weights", "include_self", "nesting_embedding"):
+    for flag in ("share_weights", "include_self", "nesting_embedding", "resume"):
         if getattr(args, flag, False):
             values[flag] = True
     if values.get("pos_dim") == 0:

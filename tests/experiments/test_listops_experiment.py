@@ -952,3 +952,44 @@ def test_the_bottom_up_variant_trains_saves_and_evaluates(tmp_path, variant):
                              [("[MAX 1 [MIN 2 [MAX 3 [MIN 4 5 ] ] ] ]", 2)])
     with pytest.raises(ValueError, match="deep.tsv nests operators 4 deep.*got 2"):
         evaluate_checkpoint(run["checkpoint"], str(deep))
+
+
+def test_a_resumed_run_ends_as_one_that_never_stopped(tmp_path):
+    """``--resume`` continues each run from the state it saved after its last epoch:
+    one epoch, then resumed to three, gives the three-epoch run's history and model;
+    a run with no state starts afresh; other settings are refused, naming them."""
+    config = dict(TINY, seeds=1, variants=("hsa-tree", "fsa"), dropout=0.1)
+    straight = run_listops(ListOpsConfig(**dict(config, epochs=3),
+                                         output_dir=str(tmp_path / "a")))
+    first = run_listops(ListOpsConfig(**dict(config, epochs=1),
+                                      output_dir=str(tmp_path / "b")))
+    assert (tmp_path / "b" / "runs" / "fsa_seed0" / "last.pt").is_file()
+    resumed = run_listops(ListOpsConfig(**dict(config, epochs=3), resume=True,
+                                        output_dir=str(tmp_path / "b")))
+    for a, b, one in zip(straight["runs"], resumed["runs"], first["runs"]):
+        assert len(b["history"]) == 3
+        assert b["history"][0] == one["history"][0]   # its first epoch was not run again
+        for x, y in zip(a["history"], b["history"]):
+            assert {k: v for k, v in x.items() if k != "seconds"} == {
+                k: v for k, v in y.items() if k != "seconds"}
+        assert a["test_accuracy"] == b["test_accuracy"]
+        saved = [torch.load(run["checkpoint"], weights_only=False)["model"]
+                 for run in (a, b)]
+        assert saved[0].keys() == saved[1].keys()
+        for key, value in saved[0].items():     # (extra states: plain objects)
+            assert (torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor)
+                    else value == saved[1][key]), key
+    fresh = run_listops(ListOpsConfig(**dict(config, epochs=1), resume=True,
+                                      output_dir=str(tmp_path / "c")))
+    assert [len(r["history"]) for r in fresh["runs"]] == [1, 1]
+    with pytest.raises(ValueError, match=r"cannot resume from .*hsa-tree_seed0: it was "
+                                         r"trained with lr=0.001, this run has lr=0.002"):
+        run_listops(ListOpsConfig(**dict(config, epochs=3, lr=2e-3), resume=True,
+                                  output_dir=str(tmp_path / "b")))
+    with pytest.raises(ValueError, match="resume continues the runs saved under output_dir"):
+        ListOpsConfig(**config, resume=True).validate()
+    from hsa_graph.cli import build_parser
+    from hsa_graph.experiments.listops import config_from_args
+
+    args = build_parser("listops").parse_args(["listops", "--resume", "--out", str(tmp_path)])
+    assert config_from_args(args).resume
