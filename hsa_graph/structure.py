@@ -630,13 +630,20 @@ class TreeStructure:
                              f"(they are all parents of its rows): it would become a leaf")
         return self._forest_cut(None, is_root, None)
 
+    @_lazy_field
+    def node_parent(self) -> Tensor:
+        """``[M]`` each node's parent as a node id (``-1`` for roots), in node order: the
+        parent list the forest was built from (the cuts of :class:`ForestCut` start
+        from it)."""
+        parent = self.parent_unified()
+        return self.to_node_order(torch.where(
+            parent < 0, -1, self.node_of_unified[parent.clamp_min(0)]))
+
     def _forest_cut(self, kept: Optional[Tensor], roots: Tensor,
                     leaf_rows: Optional[Tensor]) -> ForestCut:
         """The :class:`ForestCut` of the nodes ``kept`` (a unified mask; ``None``: all)
         with the nodes ``roots`` (a unified mask) made roots."""
-        parent = self.parent_unified()
-        node_parent = torch.where(parent < 0, -1, self.node_of_unified[parent.clamp_min(0)])
-        node_parent, roots = self.to_node_order(node_parent), self.to_node_order(roots)
+        node_parent, roots = self.node_parent, self.to_node_order(roots)
         if kept is not None:
             kept = self.to_node_order(kept)
             new_id = kept.cumsum(0) - 1                  # position among the kept nodes

@@ -1074,6 +1074,7 @@ def test_forest_cuts_match_the_parent_list(families):
     outcomes = defaultdict(int)
     for tree, rows in cases:
         want = _forest_cut_by_hand(tree.parent.tolist(), rows, families)
+        assert tree.structure.node_parent.tolist() == tree.parent.tolist()
         call = tree.structure.family_forest if families else tree.structure.cut_above
         childless = set() if families else {
             u for u in set(tree.parent.tolist()) - {-1} if u not in want[0]}
