@@ -902,13 +902,7 @@ class TreeStructure:
             families = leaf_values.reshape(whole.num_families, whole.size, -1)
             if rows is not None and out.is_contiguous() and not records_grad(leaf_values, out):
                 into = out[rows[0]:rows[1]].view(whole.num_families, 1, -1)
-                if families.dtype in (torch.float32, torch.float64):
-                    # a batched product with ones reads the rows once at full bandwidth;
-                    # the reduction over a middle dimension runs at about 2/3 of it
-                    ones = families.new_ones((1, whole.size))
-                    torch.matmul(ones, families, out=into)
-                else:
-                    torch.sum(families, 1, keepdim=True, out=into)
+                torch.sum(families, 1, keepdim=True, out=into)
                 return out
             sums = families.sum(1).view(-1, *leaf_values.shape[1:])
             return out.index_copy_(0, whole.parent, sums)

@@ -568,8 +568,6 @@ def _family_sum(t: Tensor) -> Tensor:
     if not rows.is_contiguous():
         return t.sum(2)
     f, b, h, d = rows.shape
-    if t.dtype in (torch.float32, torch.float64):  # (as TreeStructure.to_internal sums)
-        return torch.matmul(t.new_ones((1, b)), rows.reshape(f, b, h * d)).view(f, h, d)
     return rows.reshape(f, b, h * d).sum(1).view(f, h, d)
 
 
