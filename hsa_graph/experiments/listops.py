@@ -1055,7 +1055,10 @@ def estimate_epoch_seconds(config: ListOpsConfig, steps: int = 2) -> List[Dict[s
     ``config``'s settings and extrapolate to one epoch of ``config.num_train`` examples
     (with ``data_dir``: the first rows of its training file, and one epoch of that file);
     also the peak memory of those steps (with ``node_loss``, of the training wrapper).
-    For budgeting the full run.
+    For budgeting the full run of a process alone on the machine: runs side by side on
+    shared cores take longer (``hsa-tree-bottom-up-families`` with 4 blocks per turn,
+    estimated at 492 s per epoch, took 781-915 s per epoch with two one-thread runs on
+    two cores and 1,123-1,464 s with three).
 
     Raises:
         ValueError: a ``data_dir`` training file with fewer rows than one batch.
@@ -1267,7 +1270,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", "--output-dir", dest="output_dir", default=None,
                         help="results, plots and checkpoints (train); TSV files (generate)")
     parser.add_argument("--estimate", action="store_true", help="only time two training "
-                        "steps per model and extrapolate to one epoch")
+                        "steps per model and extrapolate to one epoch (a process alone on "
+                        "the machine: runs side by side on shared cores take longer)")
     parser.add_argument("--checkpoint", default=None, help="evaluate: a checkpoint of a run")
     parser.add_argument("--data", default=None, help="evaluate: an LRA-format TSV file")
     parser.add_argument("--nested", action="store_true", help="evaluate: also the read-out's "
