@@ -464,6 +464,39 @@ def test_structure_is_cached():
     assert tree.structure_for(torch.device("cpu")) is first
 
 
+def test_constants_are_made_once_per_key():
+    st = NestedSignal.from_parents([-1, 0, 0, 1, 1, 1, 2, 2]).structure
+    made = []
+
+    def build():
+        made.append(1)
+        return torch.ones(2)
+
+    first = st.constant(("test", torch.float32), build)
+    assert st.constant(("test", torch.float32), build) is first
+    st.constant(("test", torch.float64), build)
+    assert len(made) == 2
+    assert st.constant(("none",), lambda: None) is None
+    assert st.constant(("none",), build) is None           # a kept None is kept too
+    # a copy on a device has its own, made afresh
+    assert "_constants" not in vars(st.to("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_node_size_as_and_bottom_up_weights(dtype):
+    parent = [-1, 0, 0, 1, 1, 1, 2, 2, -1]                 # node 8: a lonely root leaf
+    st = NestedSignal.from_parents(parent).structure
+    size = st.node_size_as(dtype)
+    assert size.dtype == dtype and size.shape == (st.num_nodes + 1,)
+    assert size[-1] == 1 and torch.equal(size[:-1], st.node_size.to(dtype))
+    leaf_weight, child_weight = st.bottom_up_weights(dtype)
+    n = st.num_leaves
+    internal = size[n:]
+    torch.testing.assert_close(leaf_weight[:, 0], 1 / internal[st.leaf_parent])
+    torch.testing.assert_close(child_weight[:, 0], internal[:-1] / internal[st.internal_parent])
+    assert st.node_size_as(dtype) is size
+
+
 def test_in_place_edit_of_edge_index_invalidates_cache():
     tree = NestedSignal.from_parents([-1, 0, 0, 1, 1])
     first = tree.structure

@@ -974,7 +974,7 @@ class BatchedHSACache:
 
         stats = hsa_statistics(st, x.q, x.k, self.include_self, x.scale, None, v=x.v,
                                leaf_mass=False)
-        size = torch.cat([st.node_size.to(dt), x.q.new_ones(1)])
+        size = st.node_size_as(dt)
         lam = torch.cat([_leaf_lam(st, x.q, x.k, self.include_self, x.scale, None),
                          stats.lam_internal])                             # [M + 1, H]
         means = ((x.q, stats.rq), (x.k, stats.rk), (x.v, stats.rv))   # leaf, internal

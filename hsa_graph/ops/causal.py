@@ -509,7 +509,7 @@ def _node_tables(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, include_sel
                  means: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> List[NodeTables]:
     """The :class:`NodeTables` of consecutive chunks of ``sizes`` heads; ``means``: the
     subtree means ``[I + 1, H, .]`` of ``q, k, v`` where the caller has them."""
-    size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)])      # padding row: 1
+    size = st.node_size_as(q.dtype)                                  # padding row: 1
     log_size = torch.cat([size[:-1].log(), size.new_full((1,), NEG_INF)])
     node_pos = [None] * len(sizes)
     if pos is not None:

@@ -125,7 +125,7 @@ def _cross(st: TreeStructure, q: Tensor, k: Tensor, v: Tensor, anchors: Tensor,
     members, node_bucket, node_family = index.members, index.node_bucket, index.node_family
     rk = torch.cat([k, st.subtree_mean(k)])                       # [M + 1, H, D]
     rv = torch.cat([v, st.subtree_mean(v)])
-    log_size = torch.cat([st.node_size.to(q.dtype), q.new_ones(1)]).log()   # padding: 0
+    log_size = st.node_size_as(q.dtype).log()                    # padding: 0
     parent_u = torch.cat([st.parent_unified(), anchors.new_full((1,), -1)])
     node_pos = None
     if pos is not None:                                           # [M + 1, H or 1, P]

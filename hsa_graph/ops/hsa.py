@@ -26,7 +26,13 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..structure import FamilyBucket, TreeStructure, _rows_per_chunk, records_grad
+from ..structure import (
+    FamilyBucket,
+    TreeStructure,
+    _rows_per_chunk,
+    group_sums,
+    records_grad,
+)
 from .flash import _widened, cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
 
@@ -85,6 +91,8 @@ def _log_ratio(lam: Tensor, total: Tensor) -> Tensor:
 #: forms no logits at all.
 _SMALL_FAMILY = 16
 _SMALL_BUCKET_BYTES = 16 << 20
+# a bucket's logit mask is kept on the structure up to this many entries (4 MiB in float32)
+_KEPT_MASK_ELEMENTS = 1 << 20
 
 
 def _small_families(q: Tensor, k: Tensor, records: bool) -> bool:
@@ -431,7 +439,11 @@ class _WeightedFamilyValues(torch.autograd.Function):
         w, p, v = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dy = dy.contiguous() if 0 in dy.stride() else dy  # (the expanded gradient of a sum)
-        d_above = dy.sum(1) if needs[0] else None
+        d_above = None
+        if needs[0]:
+            f, b = dy.shape[:2]
+            d_above = (group_sums(dy.view(f * b, *dy.shape[2:]), b) if dy.is_contiguous()
+                       else dy.sum(1))
         weights = w.transpose(0, 1)[..., None, None]                      # [H, F, 1, 1]
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             # create_graph (or tracing): differentiable ops, out of place
@@ -527,7 +539,7 @@ class _LeafGatherFamilies(torch.autograd.Function):
                 continue
             bucket = st.buckets[index]
             b = bucket.size
-            bias = _bucket_bias(bucket, ctx.include_self, q.dtype)
+            bias = _bucket_bias(st, index, ctx.include_self, q.dtype)
             dest = st.leaf_rows_of_slots(index)
             for lo, hi, members in st.gather_leaf_chunks(bucket, (q, k, v), scratch):
                 part = slice(lo, hi)
@@ -555,20 +567,21 @@ def _leaf_gather_families_recorded(st: TreeStructure, indices: Tuple[int, ...],
     for index in indices:
         bucket = st.buckets[index]
         members = [st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v)]
-        results += _family_attention(*members, _bucket_bias(bucket, include_self,
+        results += _family_attention(*members, _bucket_bias(st, index, include_self,
                                                                  q.dtype), scale)
     return results + [st.to_internal(t) for t in (q, k, v)[:num_sums]]
 
 
 def _family_sum(t: Tensor) -> Tensor:
     """``t.sum(2)`` of a ``[F, H, b, D]`` bucket view; over token-major rows (the usual
-    layout) as one reduction over contiguous ``[F, b, H * D]`` rows, several times faster
-    than reducing the strided axis."""
+    layout) the sums of groups of contiguous ``[H, D]`` rows
+    (:func:`~hsa_graph.structure.group_sums`), several times faster than reducing the
+    strided axis."""
     rows = t.transpose(1, 2)
     if not rows.is_contiguous():
         return t.sum(2)
     f, b, h, d = rows.shape
-    return rows.reshape(f, b, h * d).sum(1).view(f, h, d)
+    return group_sums(rows.view(f * b, h, d), b)
 
 
 class _WeightedRows(torch.autograd.Function):
@@ -631,24 +644,34 @@ def _family_attention_backward_head(
     return dq, dk, dv
 
 
-def _bucket_bias(bucket: FamilyBucket, include_self: bool, dtype: torch.dtype
+def _bucket_bias(st: TreeStructure, index: int, include_self: bool, dtype: torch.dtype
                  ) -> Optional[Tensor]:
-    """Additive mask of a bucket's logits, broadcastable to ``[F, H, b, b]``: ``log n(B)``
-    on key ``B`` (``-inf`` on padding), and ``-inf`` on the diagonal except for a leaf
-    attending to itself (``include_self``; ``log n(i) = 0`` there). ``None`` when all
-    zero (full families of leaves with ``include_self``), so the kernel needs no mask."""
+    """Additive mask of bucket ``index``'s logits, broadcastable to ``[F, H, b, b]``:
+    ``log n(B)`` on key ``B`` (``-inf`` on padding), and ``-inf`` on the diagonal except
+    for a leaf attending to itself (``include_self``; ``log n(i) = 0`` there). ``None``
+    when all zero (full families of leaves with ``include_self``), so the kernel needs no
+    mask. Kept on the structure (:meth:`~hsa_graph.structure.TreeStructure.constant`)
+    up to ``_KEPT_MASK_ELEMENTS`` entries; a larger mask is remade per call, where the
+    call's own work dwarfs it."""
+    bucket = st.buckets[index]
     f, b = bucket.num_families, bucket.size
-    leaf_only = bucket.internal_slot.numel() == 0
-    full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
-    keys = bucket.log_size.to(dtype)[:, None, None, :]                     # [F, 1, 1, b]
-    if leaf_only and include_self:
-        return None if full else keys
-    bias = keys.expand(f, 1, b, b).clone()
-    self_ok = torch.zeros(f * b, dtype=torch.bool, device=keys.device)
-    if include_self:
-        self_ok[bucket.leaf_slot] = True
-    bias.diagonal(dim1=-2, dim2=-1).masked_fill_(~self_ok.view(f, 1, b), NEG_INF)
-    return bias
+
+    def build() -> Optional[Tensor]:
+        leaf_only = bucket.internal_slot.numel() == 0
+        full = bucket.leaf_slot.numel() + bucket.internal_slot.numel() == f * b
+        keys = bucket.log_size.to(dtype)[:, None, None, :]                   # [F, 1, 1, b]
+        if leaf_only and include_self:
+            return None if full else keys
+        bias = keys.expand(f, 1, b, b).clone()
+        self_ok = torch.zeros(f * b, dtype=torch.bool, device=keys.device)
+        if include_self:
+            self_ok[bucket.leaf_slot] = True
+        bias.diagonal(dim1=-2, dim2=-1).masked_fill_(~self_ok.view(f, 1, b), NEG_INF)
+        return bias
+
+    if f * b * b > _KEPT_MASK_ELEMENTS:
+        return build()
+    return st.constant(("bucket_bias", index, include_self, dtype), build)
 
 
 def _block_diagonal(x: Tensor) -> Tensor:
@@ -930,7 +953,7 @@ def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor
     Returns the log-sum-exp ``[F, H, b]``. No autograd."""
     bucket = st.buckets[index]
     f, b = bucket.num_families, bucket.size
-    bias = _bucket_bias(bucket, include_self, operands[0].dtype)
+    bias = _bucket_bias(st, index, include_self, operands[0].dtype)
     dest = None if slot_order else st.leaf_rows_of_slots(index)
     lse = operands[0].new_empty((f, operands[0].shape[1], b))
     for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands, scratch):
@@ -969,7 +992,6 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     their ``bucket_out`` entry a :class:`FamilySoftmax` whose product with the values
     the caller forms where it weighs the leaf rows (:func:`_weighted_family_values`).
     """
-    n = st.num_leaves
     need_means = means or any(b.internal_slot.numel() for b in st.buckets)
     # Where autograd records and there are no positions, the bucket holding every leaf
     # (it reads q, k, v themselves, as views) runs first and hands the subtree means
@@ -983,8 +1005,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
         members = tuple(st.gather_bucket(bucket, t, t).transpose(1, 2) for t in (q, k, v))
         softmax = (_leaf_family_softmax if defer_leaf_values
                    and _small_families(*members[:2], True) else _family_attention)
-        first[whole] = softmax(*members, _bucket_bias(bucket, include_self, q.dtype), scale,
-                               True)
+        first[whole] = softmax(*members, _bucket_bias(st, whole, include_self, q.dtype),
+                               scale, True)
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
     leaf_operands, fscale = _leaf_operands(q, k, v, pos_leaf, scale)
     # Where autograd records, the buckets of leaves read by index run as one node, in
@@ -1058,7 +1080,8 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                     and not bucket.internal_slot.numel()
                     and _small_families(*members[:2], records_grad(*members))):
                 softmax = _leaf_family_softmax
-            out, lse = softmax(*members, _bucket_bias(bucket, include_self, q.dtype), fscale)
+            out, lse = softmax(*members, _bucket_bias(st, index, include_self, q.dtype),
+                                fscale)
         if v is None or out is None:
             out = None
         elif isinstance(out, FamilySoftmax):
@@ -1078,9 +1101,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
             q[lonely], k[lonely], scale, None if pos_leaf is None else pos_leaf[lonely]))
 
     # lam bottom-up: lam(A) = sum_C n(C)/n(A) * logaddexp(lam(C), eta(C)).
-    size = torch.cat([st.node_size[n:], st.internal_size.new_ones(1)]).to(q.dtype)
-    leaf_weight = (1.0 / size)[st.leaf_parent].unsqueeze(-1)
-    child_weight = (size[:-1] / size[st.internal_parent]).unsqueeze(-1)
+    leaf_weight, child_weight = st.bottom_up_weights(q.dtype)
 
     def weighted_total(lam: Tensor, lo: int, hi: int) -> Tensor:
         return child_weight[lo:hi] * _logaddexp(lam, eta_internal[lo:hi])

@@ -146,6 +146,41 @@ def test_hsa_matches_reference_with_and_without_bucket_merges(slots, c):
                                    torch.zeros_like(x) if b is None else b, **TOL)
 
 
+def test_one_structure_serves_every_dtype_mode_and_thread_count():
+    """The layout's constants (masks, leaf counts in a dtype) are made once and kept on
+    the structure: calls alternating dtype, ``include_self``, autograd and the thread
+    count (which picks the family kernel) each equal the dense reference, so no call
+    writes into what a later one reads."""
+    parents = [
+        [-1] + [0] * 4 + [1 + i // 4 for i in range(16)],         # leaves-only families
+        [-1, 0, 0] + [1] * 17 + [2] * 3 + [0],                     # padding, mixed family
+        [-1, 0, 0, 1, 1, 1, 2, 2, -1, 8, 8],                       # a forest, a lonely leaf
+    ]
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for parent in parents:
+            st = hsa_graph.NestedSignal.from_parents(parent).structure
+            n = st.num_leaves
+            q64, k64, v64 = (torch.randn(n, 2, 8, generator=gen, dtype=DT) for _ in range(3))
+            refs = {flag: dense_hsa(parent, q64, k64, v64, include_self=flag)
+                    for flag in (True, False)}
+            for _ in range(2):
+                for dtype, tol in ((torch.float32, {"rtol": 1e-4, "atol": 1e-5}), (DT, TOL)):
+                    for include_self in (True, False):
+                        for grad, num_threads in ((False, 1), (False, 2), (True, 1)):
+                            torch.set_num_threads(num_threads)
+                            q, k, v = (t.detach().to(dtype).requires_grad_(grad)
+                                       for t in (q64, k64, v64))
+                            y = hsa_graph.hsa(q, k, v, st, include_self=include_self)
+                            torch.testing.assert_close(
+                                y.double(), refs[include_self], **tol,
+                                msg=lambda m: f"{parent} {dtype} {include_self} {grad} "
+                                              f"{num_threads}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @settings(max_examples=50, **SETTINGS)
 @given(cases())
 def test_hsa_weights_matches_reference(c):
