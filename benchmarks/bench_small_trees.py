@@ -69,12 +69,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def median_ms(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
     """Median wall time of each function, the calls interleaved (so load changes hit
-    all of them alike)."""
+    all of them alike) and their order rotated from one repeat to the next (so no
+    function always runs first: the call after a forward + backward pays for the pages
+    the allocator handed back, 0.96-1.06x the other's time at 16 leaves by order
+    alone)."""
     for fn in fns.values():
         fn()
+    items = list(fns.items())
     times: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for repeat in range(repeats):
+        shift = repeat % len(items)
+        for name, fn in items[shift:] + items[:shift]:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
