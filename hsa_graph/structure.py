@@ -1557,10 +1557,10 @@ _CHUNK_BYTES = 8 << 20
 
 
 #: Rows of at least this many bytes are summed into their groups by ``index_add_``, which
-#: reads them in order; a reduction over the middle axis of ``[G, b, W]`` streams them 1.5
-#: to 2.3x slower (per group size 2 to 1,024, 256 to 512 float32 per row, 1 and 2
-#: threads), and is faster only on narrow rows (16 to 32 float32), where ``index_add_``'s
-#: cost per row dominates.
+#: reads them in order; a reduction over the middle axis of ``[G, b, W]`` streams them 1.2
+#: to 2.3x slower (groups of 2 to 1,024 rows of 64 to 512 float32, 1 and 2 threads), and
+#: is faster only on narrow rows (16 to 32 float32), where ``index_add_``'s cost per row
+#: dominates.
 WIDE_ROW_BYTES = 256
 
 

@@ -173,10 +173,10 @@ def test_one_structure_serves_every_dtype_mode_and_thread_count():
                             q, k, v = (t.detach().to(dtype).requires_grad_(grad)
                                        for t in (q64, k64, v64))
                             y = hsa_graph.hsa(q, k, v, st, include_self=include_self)
+                            where = f"{parent} {dtype} {include_self} {grad} {num_threads}"
                             torch.testing.assert_close(
                                 y.double(), refs[include_self], **tol,
-                                msg=lambda m: f"{parent} {dtype} {include_self} {grad} "
-                                              f"{num_threads}: {m}")
+                                msg=lambda m, where=where: f"{where}: {m}")
     finally:
         torch.set_num_threads(threads)
 
