@@ -173,7 +173,10 @@ def test_where_small_families_run_as_batched_matmuls(threads, monkeypatch):
     assert _small_families(q, q, records=True)       # the fused backward costs more
     assert not _small_families(q, q, records=False)  # 1 thread: the fused forward is faster
     threads(2)
-    assert _small_families(q, q, records=False)      # the fused forward does not scale
+    many = torch.randn(hsa_ops._MIN_BATCHED_FAMILIES, H, 16, D)
+    assert _small_families(many, many, records=False)   # the fused forward does not scale
+    assert not _small_families(q, q, records=False)     # few families: one fused call
+    assert _small_families(q, q, records=True)
     assert not _small_families(wide, wide, records=True)   # 17 queries
     assert not _small_families(q, wide, records=True)      # 17 keys
     monkeypatch.setattr(hsa_ops, "_SMALL_BUCKET_BYTES", q.numel() * q.element_size() - 1)
@@ -325,10 +328,10 @@ def test_deferred_values_with_a_row_without_keys():
 @pytest.mark.parametrize("records", [False, True])
 def test_where_hsa_defers_the_values_product(num_threads, records, threads, monkeypatch):
     """hsa keeps a bucket of leaves alone as probabilities where its small families run
-    as batched matmuls (autograd records, or 2+ threads), not where the fused forward
-    runs (1 thread without autograd), not with positions (their features widen the
-    values) and not for families of 17; the output equals the dense reference
-    whichever path runs."""
+    as batched matmuls (autograd records, or 2+ threads over enough families), not where
+    the fused forward runs (1 thread without autograd, or a few families), not with
+    positions (their features widen the values) and not for families of 17; the output
+    equals the dense reference whichever path runs."""
     threads(num_threads)
     deferred = []
     real = hsa_ops._leaf_family_softmax
@@ -339,11 +342,13 @@ def test_where_hsa_defers_the_values_product(num_threads, records, threads, monk
 
     monkeypatch.setattr(hsa_ops, "_leaf_family_softmax", spy)
     gen = torch.Generator().manual_seed(8)
-    for size, with_pos, expect in [(16, False, records or num_threads > 1),
-                                   (16, True, False), (17, False, False)]:
-        parent = [-1] + [0] * 3 + [1 + i // size for i in range(3 * size)]
+    many = hsa_ops._MIN_BATCHED_FAMILIES
+    for size, families, with_pos, expect in [(16, many, False, records or num_threads > 1),
+                                             (16, 3, False, records),
+                                             (16, many, True, False), (17, 3, False, False)]:
+        parent = [-1] + [0] * families + [1 + i // size for i in range(families * size)]
         tree = hsa_graph.NestedSignal.from_parents(parent)
-        n = 3 * size
+        n = families * size
         q, k, v = (torch.randn(n, 2, 4, generator=gen, dtype=torch.float64)
                    for _ in range(3))
         pos = torch.randn(len(parent), 3, generator=gen, dtype=torch.float64) \
@@ -352,7 +357,7 @@ def test_where_hsa_defers_the_values_product(num_threads, records, threads, monk
         leaves = [t.clone().requires_grad_(records) for t in (q, k, v)]
         with torch.set_grad_enabled(records):
             y = hsa_graph.hsa(*leaves, tree, pos=pos)
-        assert bool(deferred) == expect, (size, with_pos)
+        assert bool(deferred) == expect, (size, families, with_pos)
         expected = dense_hsa(torch.tensor(parent), q, k, v, pos=pos)
         torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-12)
 
