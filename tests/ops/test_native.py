@@ -1,0 +1,268 @@
+"""The compiled CPU kernel of the softmax inside small families of consecutive leaves
+(``hsa_graph.ops.native``): against a float64 reference written here, on strided
+inputs, at the edges of its contract, where it does not apply, through ``hsa``, and its
+build (cached, and a failed build warned about and replaced by PyTorch's kernels)."""
+import warnings
+
+import pytest
+import torch
+from reference import dense_hsa
+from torch_geometric.data import Batch
+
+import hsa_graph
+import hsa_graph.typing as hsa_typing
+from hsa_graph.ops import native
+from hsa_graph.ops.native import native_family_attention, native_kernel_available
+
+pytestmark = pytest.mark.skipif(not native_kernel_available(),
+                                reason="no C compiler here (PyTorch's kernels run instead)")
+
+
+def reference(q, k, v, size, include_self, scale):
+    """Families of ``size`` consecutive rows in float64, written out: logits, masked
+    diagonal, log-sum-exp, probabilities (a row without keys: lse -inf, output 0)."""
+    n, h, d = q.shape
+    f = n // size
+    qf, kf, vf = (t.double().reshape(f, size, h, -1).transpose(1, 2) for t in (q, k, v))
+    logits = scale * qf @ kf.transpose(-1, -2)                      # [F, H, b, b]
+    if not include_self:
+        logits = logits.masked_fill(torch.eye(size, dtype=torch.bool), float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = (p @ vf).transpose(1, 2).reshape(n, h, -1)
+    sums = [t.sum(2) for t in (qf, kf, vf)]                         # [F, H, *]
+    return out, lse, sums
+
+
+def inputs(n, h, d, dv, seed, scale_up=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (scale_up * torch.randn(n, h, d, generator=gen) for _ in range(2))
+    return q, k, torch.randn(n, h, dv, generator=gen)
+
+
+def check(q, k, v, size, include_self, scale=0.125, atol=2e-5):
+    with torch.no_grad():
+        result = native_family_attention(q, k, v, size, include_self, scale)
+    assert result is not None
+    out, lse, *sums = result
+    f, h = q.shape[0] // size, q.shape[1]
+    assert out.shape == (f, h, size, v.shape[-1]) and lse.shape == (f, h, size)
+    want_out, want_lse, want_sums = reference(q, k, v, size, include_self, scale)
+    got_out = out.transpose(1, 2).reshape(q.shape[0], h, -1)
+    torch.testing.assert_close(got_out.double(), want_out, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=atol, rtol=1e-5)
+    for got, want in zip(sums, want_sums):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 15, 16])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_matches_reference_every_family_size(size, include_self):
+    q, k, v = inputs(size * 5, 3, 32, 48, seed=size)
+    out, lse, *_ = check(q, k, v, size, include_self)
+    if size == 1 and not include_self:  # no keys at all: lse -inf, output 0
+        assert torch.isneginf(lse).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("d,dv,heads", [(16, 16, 1), (64, 64, 4), (128, 32, 2),
+                                        (1024, 16, 1), (16, 256, 3)])
+def test_matches_reference_feature_widths(d, dv, heads):
+    q, k, v = inputs(16 * 9, heads, d, dv, seed=d + dv)
+    check(q, k, v, 16, True, scale=d ** -0.5)
+
+
+def test_strided_rows_and_heads():
+    """Rows of one fused projection ``[N, 3, H, D]`` and head-major storage are read in
+    place, as they lie."""
+    n, h, d = 16 * 6, 4, 32
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(n, 3, h, d, generator=gen)
+    check(qkv[:, 0], qkv[:, 1], qkv[:, 2], 16, True)
+    q, k, v = (torch.randn(h, n, d, generator=gen).transpose(0, 1) for _ in range(3))
+    assert q.stride() == (d, n * d, 1)
+    check(q, k, v, 8, False)
+
+
+def test_extreme_logits_stay_finite():
+    """Logits of magnitude ~1e4 (float32): the softmax subtracts each row's maximum."""
+    q, k, v = inputs(16 * 4, 2, 64, 64, seed=5, scale_up=40.0)
+    out, lse, *_ = check(q, k, v, 16, True, scale=1.0, atol=5e-3)
+    assert torch.isfinite(out).all() and lse.abs().max() > 1e3
+
+
+def test_nan_spreads_to_its_rows_only():
+    """A NaN query spoils its own row; a NaN key its family's rows; nothing else."""
+    q, k, v = inputs(16 * 3, 2, 16, 16, seed=6)
+    q[5, 1, 3] = float("nan")
+    k[40, 0, 0] = float("nan")
+    with torch.no_grad():
+        out, lse, *_ = native_family_attention(q, k, v, 16, True, 0.25)
+    rows = out.transpose(1, 2).reshape(48, 2, 16)
+    assert torch.isnan(rows[5, 1]).all() and torch.isnan(lse[0, 1, 5])
+    assert torch.isnan(rows[32:, 0]).all() and torch.isnan(lse[2, 0]).all()
+    bad = torch.zeros(48, 2, dtype=torch.bool)
+    bad[5, 1] = True
+    bad[32:, 0] = True
+    assert torch.isfinite(rows[~bad]).all()
+
+
+def test_threads_give_identical_results():
+    q, k, v = inputs(16 * 33, 4, 64, 64, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                results.append(native_family_attention(q, k, v, 16, True, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_does_not_apply():
+    q, k, v = inputs(32, 2, 16, 16, seed=8)
+    assert native_family_attention(q.double(), k.double(), v.double(), 16, True, 1.0) is None
+    big = inputs(65 * 2, 2, 16, 16, seed=8)
+    assert native_family_attention(*big, 65, True, 1.0) is None            # b > 64
+    assert native_family_attention(q, k, v, 5, True, 1.0) is None            # 32 % 5
+    narrow = inputs(32, 2, 24, 16, seed=8)
+    assert native_family_attention(*narrow, 16, True, 1.0) is None          # D % 16
+    wide = torch.randn(32, 2, 32)[..., ::2]
+    assert native_family_attention(wide, wide, v, 16, True, 1.0) is None    # feature stride
+    leaf = q.clone().requires_grad_()
+    assert native_family_attention(leaf, k, v, 16, True, 1.0) is None       # autograd
+    with torch.no_grad():
+        assert native_family_attention(leaf, k, v, 16, True, 1.0) is not None
+
+
+def test_hsa_with_and_without_the_kernel(monkeypatch):
+    """Balanced trees (the kernel takes the leaf families and hands the means their sums)
+    and flat trees of 16 leaves: equal to the dense reference and to PyTorch's kernels."""
+    def balanced(n):
+        return [-1] + [0] * (n // 16) + [1 + i // 16 for i in range(n)]
+
+    for leaves, dv, include_self in ((64, 64, True), (64, 32, False), (16, 64, False),
+                                     (256, 16, True)):
+        parents = [balanced(leaves) if leaves > 16 else [-1] + [0] * 16] * 3
+        tree = Batch.from_data_list([hsa_graph.NestedSignal.from_parents(p)
+                                     for p in parents])
+        q, k, v = inputs(3 * leaves, 2, 32, dv, seed=leaves + dv)
+        with torch.no_grad():
+            fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
+            slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
+        torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+        for t in range(3):
+            rows = slice(t * leaves, (t + 1) * leaves)
+            want = dense_hsa(parents[t], q[rows].double(), k[rows].double(),
+                             v[rows].double(), include_self=include_self)
+            torch.testing.assert_close(fast[rows].double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_build_is_cached_and_failure_falls_back(monkeypatch, tmp_path):
+    """A second process finds the library built (no compiler run); a compiler that
+    fails gives a warning and ``None``, and ``hsa`` then runs PyTorch's kernels."""
+    compiler = hsa_typing.C_COMPILER
+    first, _ = native._build(compiler)
+    assert first is not None and first.exists()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the cached library should have been found")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiler)
+    assert native._build(compiler)[0] == first
+    monkeypatch.undo()
+
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(hsa_typing, "C_COMPILER", str(broken))
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_tried", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native._load() is None
+    assert any("no such luck" in str(w.message) for w in caught)
+    q, k, v = inputs(64, 2, 16, 16, seed=9)
+    parents = [-1] + [0] * 4 + [1 + i // 16 for i in range(64)]
+    with torch.no_grad():
+        assert native_family_attention(q, k, v, 16, True, 0.25) is None
+        y = hsa_graph.hsa(q, k, v, hsa_graph.NestedSignal.from_parents(parents))
+    torch.testing.assert_close(y.double(), dense_hsa(parents, q.double(), k.double(),
+                                                     v.double()), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [3, 16, 32, 64])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_gathered_families_with_padding(size, include_self):
+    """Members read by index, the last slots of some families padding (key bias
+    ``-inf``: never attended to, their outputs never written), outputs written by index
+    into a buffer with a spare row."""
+    n, h, d, dv, f = 200, 2, 32, 16, 9
+    gen = torch.Generator().manual_seed(size)
+    q, k, v = inputs(n, h, d, dv, seed=size)
+    rows_in = torch.randint(0, n, (f, size), generator=gen)
+    members = torch.randint(1, size + 1, (f,), generator=gen)
+    padding = torch.arange(size) >= members[:, None]                       # [F, b]
+    key_bias = torch.zeros(f, size).masked_fill(padding, float("-inf"))
+    rows_out = torch.arange(f * size).view(f, size).masked_fill(padding, f * size)
+    out = torch.full((f * size + 1, h, dv), 7.0)
+    with torch.no_grad():
+        lse = native.native_gathered_family_attention(q, k, v, rows_in, key_bias, out,
+                                                      rows_out, include_self, 0.2)
+    assert lse is not None
+    slots = rows_in.reshape(-1)
+    logits = 0.2 * torch.einsum("fihd,fjhd->fhij", q[slots].view(f, size, h, d).double(),
+                                k[slots].view(f, size, h, d).double())
+    logits = logits + key_bias.double()[:, None, None, :]
+    if not include_self:
+        logits = logits.masked_fill(torch.eye(size, dtype=torch.bool), float("-inf"))
+    want_lse = torch.logsumexp(logits, -1)
+    p = torch.exp(logits - want_lse.unsqueeze(-1)).nan_to_num(0.0)
+    want = torch.einsum("fhij,fjhd->fihd", p, v[slots].view(f, size, h, dv).double())
+    real = ~padding
+    torch.testing.assert_close(out[:-1].view(f, size, h, dv)[real].double(), want[real],
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.transpose(1, 2)[real].double(),
+                               want_lse.transpose(1, 2)[real], atol=2e-5, rtol=1e-5)
+    assert (out[:-1].view(f, size, h, dv)[padding] == 7.0).all()   # padding rows untouched
+    assert (out[-1] == 7.0).all()
+
+
+def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
+    """Families of 2..30 leaves in buckets read by index: through ``hsa`` the kernel
+    runs (counted), and the result equals the dense reference and PyTorch's kernels."""
+    import hsa_graph.ops.hsa as hsa_ops
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        result = native.native_gathered_family_attention(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hsa_ops, "native_gathered_family_attention", counted)
+    gen = torch.Generator().manual_seed(11)
+    sizes = torch.randint(2, 31, (12,), generator=gen).tolist()
+    parents = [-1] + [0] * len(sizes)
+    for family, count in enumerate(sizes):
+        parents += [1 + family] * count
+    n = sum(sizes)
+    q, k, v = inputs(n, 2, 32, 32, seed=12)
+    tree = hsa_graph.NestedSignal.from_parents(parents)
+    for include_self in (True, False):
+        with torch.no_grad():
+            fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
+            slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
+        want = dense_hsa(parents, q.double(), k.double(), v.double(),
+                         include_self=include_self)
+        torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+    assert any(calls)
