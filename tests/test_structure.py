@@ -1133,3 +1133,79 @@ def test_cut_above_names_a_node_left_without_children():
                                          "children"):
         structure.cut_above(torch.tensor([0, 2]), "a scoped layer")
     assert structure.cut_above(torch.tensor([0])).parent.tolist() == [-1, -1, 1, 1, 0, 4, 4]
+
+
+def _leaf_families_alone(parent):
+    """Independently of the structure: every family holding a leaf holds leaves alone,
+    and no leaf is an only child."""
+    children = defaultdict(list)
+    for node, p in enumerate(parent):
+        if p >= 0:
+            children[p].append(node)
+    leaves = set(range(len(parent))) - set(children)
+    for family in children.values():
+        kinds = {node in leaves for node in family}
+        if True in kinds and (kinds != {True} or len(family) < 2):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(HAND_MADE))
+def test_means_buffer_filled_by_the_caller(name):
+    """leaf_family_buckets exists exactly where families with a leaf hold leaves alone;
+    then the families' sums written into their parents' rows of a new_means_buffer
+    (every other row garbage) give subtree_means' own result, and the buffer is it."""
+    parent = HAND_MADE[name]
+    s = TreeStructure.from_parent(torch.tensor(parent))
+    assert (s.leaf_family_buckets is not None) == _leaf_families_alone(parent), name
+    q, k, v = (torch.randn(s.num_leaves, 2, 3, dtype=DT) for _ in range(3))
+    want = s.subtree_means(q, k, v)
+    if s.leaf_family_buckets is None:
+        with pytest.raises(ValueError, match="leaf_family_buckets"):
+            s.subtree_means(q, k, v, buffer=s.new_means_buffer(q, k, v))
+        return
+    buffer = s.new_means_buffer(q, k, v).fill_(float("nan"))
+    assert buffer.shape == (3, s.num_internal + 1, 2, 3)
+    filled = set()
+    for index in s.leaf_family_buckets:
+        leaves, rows = s.source_rows(index)
+        bucket = s.buckets[index]
+        assert leaves and rows.shape == (bucket.num_families, bucket.size)
+        real = (bucket.log_size > float("-inf")).to(DT)[..., None, None]   # [F, b, 1, 1]
+        for j, t in enumerate((q, k, v)):
+            buffer[j, bucket.parent] = (t[rows] * real).sum(1)
+        filled |= set(bucket.parent.tolist())
+    others = set(s.rows_without_leaf_family.tolist())
+    assert others == set(range(s.num_internal + 1)) - filled
+    got = s.subtree_means(q, k, v, buffer=buffer)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert got[0].data_ptr() == buffer.data_ptr()
+    with pytest.raises(ValueError, match="given alone"):
+        s.subtree_means(q, k, v, family_sums=(q, k, v), buffer=buffer)
+    with pytest.raises(ValueError, match="where autograd records nothing"):
+        s.subtree_means(q.requires_grad_(), k, v, buffer=buffer)
+
+
+def test_fresh_buffer_hints_large_buffers_only(monkeypatch):
+    """fresh_buffer: like's dtype, the shape asked, zeroed on request; a buffer of
+    HUGE_PAGE_BYTES or more is hinted once, on page-aligned bounds inside it."""
+    import hsa_graph.structure as structure
+
+    calls = []
+
+    def madvise(start, length, advice):
+        calls.append((start, length, advice))
+        return 0
+
+    monkeypatch.setattr(structure, "_madvise", madvise)
+    like = torch.zeros(1, dtype=torch.float32)
+    small = structure.fresh_buffer(like, (4, 5), zero=True)
+    assert small.shape == (4, 5) and small.dtype == torch.float32 and not small.any()
+    assert calls == []
+    rows = structure.HUGE_PAGE_BYTES // 4 // 1024 + 1
+    large = structure.fresh_buffer(like, (rows, 1024))
+    assert large.shape == (rows, 1024)
+    [(start, length, advice)] = calls
+    assert advice == 14 and start % 4096 == 0 and length % 4096 == 0
+    assert large.data_ptr() <= start and start + length <= large.data_ptr() + large.nbytes

@@ -206,11 +206,13 @@ static void family_head(const float *const *q, const float *const *k, const floa
 /* Families 0 .. F - 1 of b slots, split over `threads` OpenMP threads where built with
  * OpenMP. Slot j of family f reads row rows_in[f * b + j] of q, k, v (row f * b + j
  * where rows_in is NULL) and writes row rows_out[f * b + j] of out (likewise), with key
- * bias key_bias[f * b + j] (0 where NULL). lse: [F, H, b]; sum_q, sum_k: [F, H, D];
- * sum_v: [F, H, Dv] (NULL: no sums). */
+ * bias key_bias[f * b + j] (0 where NULL). lse: [F, H, b]; sum_q, sum_k: [R, H, D] and
+ * sum_v: [R, H, Dv], dense, family f's sums at row sum_rows[f] (row f where NULL;
+ * sum_q NULL: no sums). */
 void hsa_family_attention_f32(const float *q, const float *k, const float *v, float *out,
                               float *lse, float *sum_q, float *sum_k, float *sum_v,
                               const int64_t *rows_in, const int64_t *rows_out,
+                              const int64_t *sum_rows,
                               const float *key_bias, int64_t F, int64_t b, int64_t H,
                               int64_t D, int64_t Dv, int64_t row_q, int64_t head_q,
                               int64_t row_k, int64_t head_k, int64_t row_v, int64_t head_v,
@@ -245,10 +247,10 @@ void hsa_family_attention_f32(const float *q, const float *k, const float *v, fl
                               ? NULL : out + dst * row_out + h * head_out;
                 bias[j] = key_bias ? key_bias[f * b + j] : 0.0f;
             }
-            const int64_t at = (f * H + h);
+            const int64_t at = f * H + h, sum_at = (sum_rows ? sum_rows[f] : f) * H + h;
             family_head(qs, ks, vs, outs, bias, lse + at * b,
-                        sum_q ? sum_q + at * D : NULL, sum_k ? sum_k + at * D : NULL,
-                        sum_v ? sum_v + at * Dv : NULL, b, D, Dv, scale, include_self);
+                        sum_q ? sum_q + sum_at * D : NULL, sum_q ? sum_k + sum_at * D : NULL,
+                        sum_q ? sum_v + sum_at * Dv : NULL, b, D, Dv, scale, include_self);
         }
     }
 }

@@ -20,7 +20,7 @@ alone costs; no tensor of size ``E x H x D`` over sibling pairs is formed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ from ..structure import (
 )
 from .flash import _widened, cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
-from .native import native_family_attention, native_gathered_family_attention
+from .native import native_applies, native_family_attention, native_gathered_family_attention
 
 __all__ = ["hsa"]
 
@@ -509,6 +509,10 @@ class _LeafGatherFamilies(torch.autograd.Function):
         results: List[Tensor] = []
         scratch = st.new_leaf_chunk_scratch((q, k, v))
         for index in indices:
+            native = _native_bucket(st, index, (q, k, v), None, include_self, scale)
+            if native is not None:
+                results += native
+                continue
             bucket = st.buckets[index]
             f, b = bucket.num_families, bucket.size
             rows = v.new_empty((f * b, *v.shape[1:]))          # token-major slot rows
@@ -680,6 +684,93 @@ def _bucket_bias(st: TreeStructure, index: int, include_self: bool, dtype: torch
     if f * b * b > _KEPT_MASK_ELEMENTS:
         return build()
     return st.constant(("bucket_bias", index, include_self, dtype), build)
+
+
+def _key_bias(st: TreeStructure, index: int) -> Tensor:
+    """``[F, b]`` float32 ``log n(B)`` of bucket ``index``'s members, ``-inf`` on padding:
+    the compiled kernel's key bias (it masks the diagonal itself), kept on the structure."""
+    bucket = st.buckets[index]
+    return st.constant(("key_bias", index),
+                       lambda: bucket.log_size.to(torch.float32).contiguous())
+
+
+def _native_bucket(st: TreeStructure, index: int, leaf_operands: Tuple[Tensor, ...],
+                   internal_operands: Optional[Tuple[Tensor, ...]], include_self: bool,
+                   scale: float, leaf_rows_out: Optional[Tensor] = None,
+                   means_buffer: Optional[Tensor] = None
+                   ) -> Optional[Tuple[Optional[Tensor], Tensor]]:
+    """The family softmax of bucket ``index`` through the compiled kernel
+    (:func:`~hsa_graph.ops.native.native_gathered_family_attention`) where it applies:
+    a bucket whose members come from one source, read by index
+    (:meth:`~hsa_graph.structure.TreeStructure.source_rows`; an internal member never
+    attends to itself). ``(out [F, H, b, Dv], lse [F, H, b])`` as
+    :class:`_FamilyAttention` returns them, else ``None``. No autograd. For a bucket of
+    leaves: its rows written into ``leaf_rows_out`` where given
+    (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_rows`; ``out`` is then
+    ``None``), and its families' sums of the operands into their parents' rows of
+    ``means_buffer`` where given
+    (:meth:`~hsa_graph.structure.TreeStructure.new_means_buffer`)."""
+    source = st.source_rows(index)
+    if source is None:
+        return None
+    leaves, rows = source
+    operands = leaf_operands if leaves else internal_operands
+    if operands is None:
+        return None
+    f, b = rows.shape
+    into = leaves and leaf_rows_out is not None
+    sums = leaves and means_buffer is not None
+    native = native_gathered_family_attention(
+        *operands, rows, _key_bias(st, index), include_self and leaves, scale,
+        out=leaf_rows_out if into else None,
+        rows_out=st.leaf_rows_of_slots(index).view(f, b) if into else None,
+        sums_into=means_buffer.unbind(0) if sums else None,
+        sum_rows=st.buckets[index].parent if sums else None)
+    if native is None:
+        return None
+    out, lse = native
+    return (None if into else out.view(f, b, *out.shape[1:]).transpose(1, 2)), lse
+
+
+def _native_leaf_buckets(st: TreeStructure, operands: Tuple[Tensor, Tensor, Tensor],
+                         include_self: bool, scale: float, sums: bool,
+                         leaf_rows_out: Optional[Tensor]
+                         ) -> Tuple[Dict[int, Tuple[Optional[Tensor], Tensor]],
+                                    Optional[Tensor]]:
+    """Without autograd, the buckets of leaves alone through the compiled kernel, where
+    it applies, before the subtree means: ``({bucket index: (out, lse)}, buffer)``.
+    The bucket of every leaf (:attr:`~hsa_graph.structure.TreeStructure.whole_leaf_bucket`)
+    reads its rows in place and writes a new token-major output; the others read by
+    index (:func:`_native_bucket`), their rows written into ``leaf_rows_out`` where
+    given. With ``sums`` (the caller needs the subtree means of the operands, which are
+    ``q, k, v`` themselves) and these buckets holding every family with a leaf
+    (:attr:`~hsa_graph.structure.TreeStructure.leaf_family_buckets`), the kernel writes
+    each family's sums into its parent's row of a new means buffer, returned for
+    :meth:`~hsa_graph.structure.TreeStructure.subtree_means` (else ``None``)."""
+    q, k, v = operands
+    runs = [i for i, b in enumerate(st.buckets)
+            if b.leaf_slot.numel() and not b.internal_slot.numel()
+            and st.source_rows(i) is not None and native_applies(q, k, v, b.size)]
+    covering = st.leaf_family_buckets
+    buffer = (st.new_means_buffer(q, k, v) if sums and covering is not None
+              and len(runs) == len(covering) and k.shape == v.shape else None)
+    whole = st.whole_leaf_bucket
+    done: Dict[int, Tuple[Optional[Tensor], Tensor]] = {}
+    for index in runs:
+        if index == whole:
+            bucket = st.buckets[index]
+            result = native_family_attention(
+                q, k, v, bucket.size, include_self, scale,
+                sums_into=None if buffer is None else buffer.unbind(0),
+                sum_rows=None if buffer is None else bucket.parent)
+        else:
+            result = _native_bucket(st, index, operands, None, include_self, scale,
+                                    leaf_rows_out, buffer)
+        if result is None:  # (runs checked that it applies: not expected)
+            buffer = None
+            continue
+        done[index] = result[:2]
+    return done, buffer
 
 
 def _block_diagonal(x: Tensor) -> Tensor:
@@ -957,21 +1048,13 @@ def _leaf_bucket_into_rows(st: TreeStructure, index: int, operands: Tuple[Tensor
     each chunk's output rows copied into ``rows_out`` (``[N + 1, H, Dv]``, padding slots
     into its spare row; with ``slot_order``, ``[F * b, H, Dv]`` rows in slot order)
     while they are in cache; ``scratch``: the chunks' buffers, shared by the buckets of
-    a call (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_chunk_scratch`). Where
-    the compiled kernel applies
-    (:func:`~hsa_graph.ops.native.native_gathered_family_attention`), it reads the
-    members by index and writes the rows in place instead: no chunk is copied.
-    Returns the log-sum-exp ``[F, H, b]``. No autograd."""
+    a call (:meth:`~hsa_graph.structure.TreeStructure.new_leaf_chunk_scratch`).
+    Returns the log-sum-exp ``[F, H, b]``. No autograd. (Where the compiled kernel
+    applies, :func:`_native_bucket` runs instead: it reads the members by index
+    itself.)"""
     bucket = st.buckets[index]
     f, b = bucket.num_families, bucket.size
     dest = None if slot_order else st.leaf_rows_of_slots(index)
-    key_bias = st.constant(("key_bias", index, torch.float32),
-                           lambda: bucket.log_size.to(torch.float32).contiguous())
-    lse = native_gathered_family_attention(
-        *operands, bucket.leaf_gather.view(f, b), key_bias, rows_out,
-        None if dest is None else dest.view(f, b), include_self, scale)
-    if lse is not None:  # the compiled kernel reads the rows by index and writes them back
-        return lse
     bias = _bucket_bias(st, index, include_self, operands[0].dtype)
     lse = operands[0].new_empty((f, operands[0].shape[1], b))
     for lo, hi, (cq, ck, cv) in st.gather_leaf_chunks(bucket, operands, scratch):
@@ -1018,6 +1101,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     # which sums the rows as well, and elsewhere the means sum the leaves into their buffer
     whole = st.whole_leaf_bucket if pos is None and v is not None else None
     first = {}
+    family_sums = means_buffer = None
     if whole is not None and records_grad(q, k, v):
         if need_means:
             bucket = st.buckets[whole]
@@ -1027,12 +1111,16 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                        and _small_families(*members[:2], True) else _family_attention)
             first[whole] = softmax(*members, _bucket_bias(st, whole, include_self, q.dtype),
                                    scale, True)
-    elif whole is not None:
-        native = native_family_attention(q, k, v, st.buckets[whole].size, include_self, scale)
-        if native is not None:
-            first[whole] = native
+            family_sums = first[whole][2:]
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
     leaf_operands, fscale = _leaf_operands(q, k, v, pos_leaf, scale)
+    if v is not None and not records_grad(*leaf_operands):
+        # (without positions the kernel reads q, k, v themselves: values of any width)
+        raw = pos is None
+        operands = (q, k, v) if raw else leaf_operands
+        first, means_buffer = _native_leaf_buckets(
+            st, operands, include_self, scale if raw else fscale, need_means and raw,
+            leaf_rows_out if operands[2].shape[-1] == v.shape[-1] else None)
     # Where autograd records, the buckets of leaves read by index run as one node, in
     # chunks (see _LeafGatherFamilies); where its operands are q, k, v themselves it
     # also hands the subtree means their leaf sums
@@ -1050,7 +1138,7 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
     rq = rk = rv = None
     if need_means:
         rq, rk, *rest = st.subtree_means(q, k, *([] if v is None else [v]),
-                                         family_sums=first[whole][2:] if first else None,
+                                         family_sums=family_sums, buffer=means_buffer,
                                          leaf_sums=leaf_sums)
         rv = rest[0] if rest else None
     fq_leaf, fk_leaf, fv_leaf = leaf_operands
@@ -1072,14 +1160,27 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
                 if direct and b.leaf_gather is not None and i not in first}
     scratch = (st.new_leaf_chunk_scratch((fq_leaf, fk_leaf, fv_leaf)) if streamed
                else None)
+    # without autograd, buckets of leaves alone or of internal members alone go through
+    # the compiled kernel where it applies, which reads their rows by index itself
+    native = {}
+    for index, bucket in enumerate(st.buckets):
+        if (reuse and bucket.leaf_block is None
+                and index not in first and index not in gathered and index not in streamed):
+            result = _native_bucket(st, index, (fq_leaf, fk_leaf, fv_leaf),
+                                    (fq_internal, fk_internal, fv_internal), include_self,
+                                    fscale)
+            if result is not None:
+                native[index] = result
     members = zip(*(st.gather_buckets(leaf, internal, reuse=reuse,
-                                      skip=streamed | set(gathered))
+                                      skip=streamed | set(first) | set(gathered) | set(native))
                     for leaf, internal in operands))
     for index, (bucket, (bq, bk, bv)) in enumerate(zip(st.buckets, members)):
         if index in first:
             out, lse = first[index][:2]
         elif index in gathered:
             out, lse = gathered[index]
+        elif index in native:
+            out, lse = native[index]
         elif index in streamed:
             out, lse = None, _leaf_bucket_into_rows(
                 st, index, (fq_leaf, fk_leaf, fv_leaf), include_self, fscale,

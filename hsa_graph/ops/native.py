@@ -42,8 +42,9 @@ import torch
 from torch import Tensor
 
 from .. import typing as hsa_typing
+from ..structure import fresh_buffer
 
-__all__ = ["native_family_attention", "native_gathered_family_attention",
+__all__ = ["native_applies", "native_family_attention", "native_gathered_family_attention",
            "native_kernel_available"]
 
 SOURCE = Path(__file__).with_name("family_kernel.c")
@@ -150,7 +151,7 @@ def _load():
                           RuntimeWarning, stacklevel=3)
             return None
         pointer, size = ctypes.c_void_p, ctypes.c_int64
-        function.argtypes = ([pointer] * 11 + [size] * 13
+        function.argtypes = ([pointer] * 12 + [size] * 13
                              + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         function.restype = None
         _kernel = function
@@ -180,29 +181,68 @@ def _applies(q: Tensor, k: Tensor, v: Tensor, size: int) -> bool:
 
 
 def _run(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-         sums: Optional[Tuple[Tensor, Tensor, Tensor]], rows_in: Optional[Tensor],
-         rows_out: Optional[Tensor], key_bias: Optional[Tensor], families: int, size: int,
-         include_self: bool, scale: float) -> None:
+         sums: Optional[Tuple[Tensor, Tensor, Tensor]], sum_rows: Optional[Tensor],
+         rows_in: Optional[Tensor], rows_out: Optional[Tensor], key_bias: Optional[Tensor],
+         families: int, size: int, include_self: bool, scale: float) -> None:
     def pointer(t: Optional[Tensor]) -> Optional[int]:
         return None if t is None else t.data_ptr()
 
     sum_q, sum_k, sum_v = (None, None, None) if sums is None else sums
     kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
            pointer(sum_q), pointer(sum_k), pointer(sum_v), pointer(rows_in),
-           pointer(rows_out), pointer(key_bias), families, size, q.shape[1], q.shape[2],
-           v.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-           v.stride(1), out.stride(0), out.stride(1), float(scale), int(include_self),
-           torch.get_num_threads())
+           pointer(rows_out), pointer(sum_rows), pointer(key_bias), families, size,
+           q.shape[1], q.shape[2], v.shape[2], q.stride(0), q.stride(1), k.stride(0),
+           k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+           float(scale), int(include_self), torch.get_num_threads())
+
+
+def native_applies(q: Tensor, k: Tensor, v: Tensor, size: int) -> bool:
+    """Whether the compiled kernel runs on families of ``size`` members of these
+    operands (:func:`native_gathered_family_attention`; :func:`native_family_attention`
+    where ``size`` also divides ``N``): float32 CPU tensors whose autograd records
+    nothing, ``size <= MAX_FAMILY``, feature widths multiples of 16, a compiler at hand
+    (the kernel is built if need be)."""
+    return _applies(q, k, v, size) and _load() is not None
+
+
+def _sums(q: Tensor, v: Tensor, families: int, sums_into: Optional[Tuple[Tensor, ...]],
+          sum_rows: Optional[Tensor], caller: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """The three tensors the kernel writes the families' sums into, checked (a new
+    ``[F, H, *]`` each without ``sums_into``)."""
+    h, d, dv = q.shape[1], q.shape[2], v.shape[2]
+    if sums_into is None:
+        if sum_rows is not None:
+            raise ValueError(f"{caller}: sum_rows without sums_into")
+        return (q.new_empty((families, h, d)), q.new_empty((families, h, d)),
+                v.new_empty((families, h, dv)))
+    sums = tuple(sums_into)
+    rows = families if sum_rows is None else None
+    if (len(sums) != 3 or any(
+            t.dim() != 3 or t.shape[1:] != (h, width) or t.dtype != torch.float32
+            or t.device.type != "cpu" or not t.is_contiguous()
+            or (rows is not None and t.shape[0] < rows) or t.shape[0] != sums[0].shape[0]
+            for t, width in zip(sums, (d, d, dv)))):
+        raise ValueError(f"{caller}: sums_into must be three dense float32 CPU tensors "
+                         f"[R, {h}, {d}], [R, {h}, {d}], [R, {h}, {dv}] (R >= {families} "
+                         "without sum_rows)")
+    if sum_rows is not None and (sum_rows.shape != (families,) or sum_rows.dtype != torch.long
+                                 or not sum_rows.is_contiguous()
+                                 or sum_rows.device.type != "cpu"):
+        raise ValueError(f"{caller}: sum_rows must be a dense int64 CPU tensor of shape "
+                         f"({families},)")
+    return sums
 
 
 def native_family_attention(q: Tensor, k: Tensor, v: Tensor, size: int, include_self: bool,
-                            scale: float) -> Optional[Tuple[Tensor, ...]]:
+                            scale: float, sums_into: Optional[Tuple[Tensor, ...]] = None,
+                            sum_rows: Optional[Tensor] = None
+                            ) -> Optional[Tuple[Tensor, ...]]:
     r"""Softmax attention inside the families of ``size`` consecutive rows of
     ``q, k`` ``[N, H, D]`` and ``v`` ``[N, H, Dv]`` (family ``f``: rows ``f * size`` to
     ``f * size + size - 1``), with the families' sums, through the compiled kernel:
-    ``(out [F, H, b, Dv], lse [F, H, b], sum_q [F, H, D], sum_k [F, H, D],
-    sum_v [F, H, Dv])``, the layout of the fused family kernel with ``family_sums``
-    (``out`` a view of token-major ``[N, H, Dv]`` rows), for
+    ``(out [F, H, b, Dv], lse [F, H, b], sum_q, sum_k, sum_v)``, the layout of the fused
+    family kernel with ``family_sums`` (``out`` a view of token-major ``[N, H, Dv]``
+    rows), for
 
     .. math::
         \ell_i = \log \sum_j e^{s \langle q_i, k_j \rangle}, \qquad
@@ -214,49 +254,67 @@ def native_family_attention(q: Tensor, k: Tensor, v: Tensor, size: int, include_
     tracing, other than float32 CPU tensors, ``size`` above :data:`MAX_FAMILY` or not
     dividing ``N``, ``D`` or ``Dv`` not a multiple of 16 (or ``D > 1024``), or a
     feature axis that is not dense. Rows and heads may have any strides (e.g. ``q, k,
-    v`` as views of one ``[N, 3, H, D]`` projection)."""
+    v`` as views of one ``[N, 3, H, D]`` projection).
+
+    The sums are new ``[F, H, D]``, ``[F, H, D]``, ``[F, H, Dv]`` tensors, or written
+    into ``sums_into``: three dense ``[R, H, D]``, ``[R, H, D]``, ``[R, H, Dv]`` float32
+    tensors (e.g. the subtree means' buffer,
+    :meth:`~hsa_graph.TreeStructure.new_means_buffer`), family ``f``'s at row
+    ``sum_rows[f]`` (``[F]`` int64; rows ``0 .. F - 1`` without it), and then returned
+    as given. The rows are the caller's structure's and are not checked here."""
     if not _applies(q, k, v, size) or q.shape[0] % size:
         return None
     kernel = _load()
     if kernel is None:
         return None
-    n, h, d, dv = *q.shape, v.shape[2]
+    n, h, dv = q.shape[0], q.shape[1], v.shape[2]
     f = n // size
-    out = v.new_empty((n, h, dv))
+    sums = _sums(q, v, f, sums_into, sum_rows, "native_family_attention")
+    out = fresh_buffer(v, (n, h, dv))
     lse = q.new_empty((f, h, size))
-    sums = (q.new_empty((f, h, d)), q.new_empty((f, h, d)), v.new_empty((f, h, dv)))
-    _run(kernel, q, k, v, out, lse, sums, None, None, None, f, size, include_self, scale)
+    _run(kernel, q, k, v, out, lse, sums, sum_rows, None, None, None, f, size, include_self,
+         scale)
     return (out.view(f, size, h, dv).transpose(1, 2), lse, *sums)
 
 
 def native_gathered_family_attention(q: Tensor, k: Tensor, v: Tensor, rows_in: Tensor,
-                                     key_bias: Tensor, out: Tensor,
-                                     rows_out: Optional[Tensor], include_self: bool,
-                                     scale: float) -> Optional[Tensor]:
+                                     key_bias: Tensor, include_self: bool, scale: float,
+                                     out: Optional[Tensor] = None,
+                                     rows_out: Optional[Tensor] = None,
+                                     sums_into: Optional[Tuple[Tensor, ...]] = None,
+                                     sum_rows: Optional[Tensor] = None
+                                     ) -> Optional[Tuple[Tensor, Tensor]]:
     r""":func:`native_family_attention` over families whose members are read by index:
-    family ``f``'s slot ``j`` is the row ``rows_in[f, j]`` of ``q, k, v``, its key bias
-    ``key_bias[f, j]`` (``-inf`` on padding slots: never attended to), its output row
-    ``rows_out[f, j]`` of ``out`` (``[R, H, Dv]``, written in place; padding slots
-    write a spare row; without ``rows_out``, the row ``f * b + j``: slot order), with
-    ``rows_in``, ``rows_out`` ``[F, b]`` int64 and ``key_bias``
-    ``[F, b]`` float32, all dense and within their tensors' rows (the caller's
-    structure guarantees it: nothing checks the indices here). Returns the log-sum-exp
-    ``[F, H, b]``, or ``None`` where the kernel does not apply (then ``out`` is
-    untouched)."""
+    family ``f``'s slot ``j`` is the row ``rows_in[f, j]`` of ``q, k, v``, with key bias
+    ``key_bias[f, j]`` added to its logits (``-inf`` on padding slots: never attended
+    to, nor summed), ``rows_in`` ``[F, b]`` int64 and ``key_bias`` ``[F, b]`` float32,
+    both dense. Writes the output row of slot ``(f, j)`` into ``out`` ``[R, H, Dv]`` in
+    place, at row ``rows_out[f, j]`` (``[F, b]`` int64; padding slots are not written:
+    they may share a spare row), or at row ``f * b + j`` without ``rows_out`` (slot
+    order; without ``out`` a new ``[F * b, H, Dv]`` buffer). The families' sums only
+    into ``sums_into`` where given (as in :func:`native_family_attention`). The indices
+    are the caller's structure's and are not checked here. Returns ``(out, lse [F, H,
+    b])``, or ``None`` where the kernel does not apply (then nothing is written)."""
     f, b = rows_in.shape
-    if (not _applies(q, k, v, b) or not _fits(out, out.shape[0], q.shape[1])
-            or out.shape[2] != v.shape[2] or f == 0
-            or (rows_out is None and out.shape[0] < f * b)
+    h, dv = q.shape[1], v.shape[2]
+    if (not _applies(q, k, v, b) or f == 0
+            or (out is not None and (not _fits(out, out.shape[0], h) or out.shape[2] != dv
+                                     or (rows_out is None and out.shape[0] < f * b)))
+            or (rows_out is not None and out is None)
             or any(t.shape != (f, b) or not t.is_contiguous() or t.device.type != "cpu"
                    for t in (rows_in, key_bias) + ((rows_out,) if rows_out is not None
                                                    else ()))
-            or rows_in.dtype != torch.int64 or key_bias.dtype != torch.float32
-            or (rows_out is not None and rows_out.dtype != torch.int64)):
+            or key_bias.dtype != torch.float32
+            or any(t.dtype != torch.long for t in (rows_in, rows_out) if t is not None)):
         return None
     kernel = _load()
     if kernel is None:
         return None
-    lse = q.new_empty((f, q.shape[1], b))
-    _run(kernel, q, k, v, out, lse, None, rows_in, rows_out, key_bias, f, b, include_self,
-         scale)
-    return lse
+    sums = (None if sums_into is None and sum_rows is None else
+            _sums(q, v, f, sums_into, sum_rows, "native_gathered_family_attention"))
+    if out is None:
+        out = fresh_buffer(v, (f * b, h, dv))
+    lse = q.new_empty((f, h, b))
+    _run(kernel, q, k, v, out, lse, sums, sum_rows, rows_in, rows_out, key_bias, f, b,
+         include_self, scale)
+    return out, lse

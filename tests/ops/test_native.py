@@ -213,9 +213,12 @@ def test_gathered_families_with_padding(size, include_self):
     rows_out = torch.arange(f * size).view(f, size).masked_fill(padding, f * size)
     out = torch.full((f * size + 1, h, dv), 7.0)
     with torch.no_grad():
-        lse = native.native_gathered_family_attention(q, k, v, rows_in, key_bias, out,
-                                                      rows_out, include_self, 0.2)
-    assert lse is not None
+        result = native.native_gathered_family_attention(q, k, v, rows_in, key_bias,
+                                                         include_self, 0.2, out, rows_out)
+        in_slot_order = native.native_gathered_family_attention(q, k, v, rows_in, key_bias,
+                                                                include_self, 0.2)
+    assert result is not None and result[0] is out
+    lse = result[1]
     slots = rows_in.reshape(-1)
     logits = 0.2 * torch.einsum("fihd,fjhd->fhij", q[slots].view(f, size, h, d).double(),
                                 k[slots].view(f, size, h, d).double())
@@ -232,6 +235,12 @@ def test_gathered_families_with_padding(size, include_self):
                                want_lse.transpose(1, 2)[real], atol=2e-5, rtol=1e-5)
     assert (out[:-1].view(f, size, h, dv)[padding] == 7.0).all()   # padding rows untouched
     assert (out[-1] == 7.0).all()
+    fresh, fresh_lse = in_slot_order                           # a new buffer, slot order
+    assert fresh.shape == (f * size, h, dv)
+    torch.testing.assert_close(fresh.view(f, size, h, dv)[real], out[:-1].view(
+        f, size, h, dv)[real], atol=0, rtol=0)
+    torch.testing.assert_close(fresh_lse.transpose(1, 2)[real], lse.transpose(1, 2)[real],
+                               atol=0, rtol=0)
 
 
 def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
@@ -266,3 +275,128 @@ def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
         torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
     assert any(calls)
+
+
+def test_internal_families_take_the_gathered_kernel(monkeypatch):
+    """A balanced tree of branching 16 over 4,096 leaves, and a ragged one: the buckets
+    of internal members (read as a range, or by index) run through the kernel without
+    autograd, and ``hsa`` equals the dense reference and PyTorch's kernels."""
+    import hsa_graph.ops.hsa as hsa_ops
+
+    kinds = []
+
+    def counted(q, *args, **kwargs):
+        result = native.native_gathered_family_attention(q, *args, **kwargs)
+        if result is not None:
+            kinds.append(q.shape[0])
+        return result
+
+    monkeypatch.setattr(hsa_ops, "native_gathered_family_attention", counted)
+    gen = torch.Generator().manual_seed(5)
+    balanced = [-1] + [0] * 16 + [1 + i // 16 for i in range(256)]
+    balanced += [17 + i // 16 for i in range(4096)]
+    ragged = [-1]
+    for _ in range(5):   # 5 subtrees of 2..20 families of 2..20 leaves
+        top = len(ragged)
+        ragged.append(0)
+        for _ in range(int(torch.randint(2, 21, (1,), generator=gen))):
+            mid = len(ragged)
+            ragged.append(top)
+            ragged += [mid] * int(torch.randint(2, 21, (1,), generator=gen))
+    for parents in (balanced, ragged):
+        kinds.clear()
+        tree = hsa_graph.NestedSignal.from_parents(parents)
+        n = len(parents) - len(set(parents) - {-1})
+        q, k, v = inputs(n, 2, 16, 16, seed=len(parents))
+        for include_self in (True, False):
+            with torch.no_grad():
+                fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+                monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
+                slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+                monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
+            want = dense_hsa(parents, q.double(), k.double(), v.double(),
+                             include_self=include_self)
+            torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+        assert any(rows < n for rows in kinds), "no bucket of internal members ran natively"
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_sums_into_given_rows(gathered):
+    """The families' sums written into rows of given tensors (``sum_rows``), padding
+    slots not summed, every other row untouched; misuse is a ValueError."""
+    n, h, d, dv, size = 96, 2, 16, 32, 8
+    f = n // size
+    q, k, v = inputs(n, h, d, dv, seed=21)
+    sum_rows = torch.randperm(f + 5, generator=torch.Generator().manual_seed(3))[:f]
+    into = (torch.full((f + 5, h, d), 7.0), torch.full((f + 5, h, d), 7.0),
+            torch.full((f + 5, h, dv), 7.0))
+    rows_in = torch.arange(n).flip(0).view(f, size)
+    padding = torch.zeros(f, size, dtype=torch.bool)
+    padding[::3, -2:] = True
+    with torch.no_grad():
+        if gathered:
+            key_bias = torch.zeros(f, size).masked_fill(padding, float("-inf"))
+            result = native.native_gathered_family_attention(
+                q, k, v, rows_in, key_bias, True, 0.25, sums_into=into, sum_rows=sum_rows)
+            members = rows_in
+        else:
+            padding[:] = False
+            result = native_family_attention(q, k, v, size, True, 0.25, sums_into=into,
+                                             sum_rows=sum_rows)
+            members = torch.arange(n).view(f, size)
+    assert result is not None
+    real = (~padding).double()[..., None, None]
+    for got, t in zip(into, (q, k, v)):
+        want = (t.double()[members] * real).sum(1)                    # [F, H, *]
+        torch.testing.assert_close(got[sum_rows].double(), want, atol=1e-5, rtol=1e-6)
+        untouched = torch.ones(f + 5, dtype=torch.bool)
+        untouched[sum_rows] = False
+        assert (got[untouched] == 7.0).all()
+    if not gathered:
+        assert all(a is b for a, b in zip(result[2:], into))
+    with torch.no_grad(), pytest.raises(ValueError, match="sums_into"):
+        native_family_attention(q, k, v, size, True, 0.25, sums_into=into[:2])
+    with torch.no_grad(), pytest.raises(ValueError, match="sums_into"):
+        native_family_attention(q, k, v, size, True, 0.25,
+                                sums_into=(into[0], into[1], into[1]))
+    with torch.no_grad(), pytest.raises(ValueError, match="sum_rows"):
+        native_family_attention(q, k, v, size, True, 0.25, sums_into=into,
+                                sum_rows=sum_rows.int())
+    with torch.no_grad(), pytest.raises(ValueError, match="without sums_into"):
+        native_family_attention(q, k, v, size, True, 0.25, sum_rows=sum_rows)
+
+
+def test_ragged_means_read_no_leaf_again(monkeypatch):
+    """Ragged families of leaves alone, below internal families: the kernel writes the
+    families' sums into the means' buffer, the leaves' rows are not summed again
+    (``to_internal`` sees no ``[N, H, D]`` rows), and the result is the dense
+    reference."""
+    from hsa_graph.structure import TreeStructure
+
+    to_internal = TreeStructure.to_internal
+
+    def no_leaf_sums(self, leaf_values, *args, **kwargs):   # (per-leaf scalars may pass)
+        if leaf_values.dim() == 3:
+            raise AssertionError("to_internal ran on q, k or v: the leaves were summed "
+                                 "again")
+        return to_internal(self, leaf_values, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(8)
+    parents = [-1]
+    for _ in range(4):
+        top = len(parents)
+        parents.append(0)
+        for _ in range(int(torch.randint(2, 6, (1,), generator=gen))):
+            mid = len(parents)
+            parents.append(top)
+            parents += [mid] * int(torch.randint(2, 40, (1,), generator=gen))
+    tree = hsa_graph.NestedSignal.from_parents(parents)
+    assert tree.structure.leaf_family_buckets is not None
+    n = tree.structure.num_leaves
+    q, k, v = inputs(n, 2, 32, 32, seed=9)
+    monkeypatch.setattr(TreeStructure, "to_internal", no_leaf_sums)
+    with torch.no_grad():
+        fast = hsa_graph.hsa(q, k, v, tree)
+    want = dense_hsa(parents, q.double(), k.double(), v.double())
+    torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
