@@ -715,7 +715,7 @@ def _native_bucket(st: TreeStructure, index: int, leaf_operands: Tuple[Tensor, .
         return None
     leaves, rows = source
     operands = leaf_operands if leaves else internal_operands
-    if operands is None:
+    if operands is None or not native_applies(*operands, rows.shape[1]):
         return None
     f, b = rows.shape
     into = leaves and leaf_rows_out is not None
@@ -748,12 +748,16 @@ def _native_leaf_buckets(st: TreeStructure, operands: Tuple[Tensor, Tensor, Tens
     each family's sums into its parent's row of a new means buffer, returned for
     :meth:`~hsa_graph.structure.TreeStructure.subtree_means` (else ``None``)."""
     q, k, v = operands
+    # (native_applies first: it is False while torch.compile traces, before any
+    # layout question that would read a tensor on the host)
     runs = [i for i, b in enumerate(st.buckets)
-            if b.leaf_slot.numel() and not b.internal_slot.numel()
-            and st.source_rows(i) is not None and native_applies(q, k, v, b.size)]
-    covering = st.leaf_family_buckets
-    buffer = (st.new_means_buffer(q, k, v) if sums and covering is not None
-              and len(runs) == len(covering) and k.shape == v.shape else None)
+            if native_applies(q, k, v, b.size) and b.leaf_slot.numel()
+            and not b.internal_slot.numel() and st.source_rows(i) is not None]
+    if not runs:
+        return {}, None
+    covering = st.leaf_family_buckets if sums and k.shape == v.shape else None
+    buffer = (st.new_means_buffer(q, k, v)
+              if covering is not None and len(runs) == len(covering) else None)
     whole = st.whole_leaf_bucket
     done: Dict[int, Tuple[Optional[Tensor], Tensor]] = {}
     for index in runs:

@@ -47,10 +47,15 @@ def test_compiled_hsa_equals_eager(parent, include_self):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_no_graph_breaks():
+@pytest.mark.parametrize("parent", PARENTS + [[-1, 0, 0] + [1] * 5 + [2] * 9])
+@pytest.mark.parametrize("width", [8, 16])
+def test_no_graph_breaks(parent, width):
+    """Also at widths where eager calls without autograd take the compiled C kernel
+    (16), and on trees whose families of leaves hold leaves alone: no layout question
+    is asked of a tensor while tracing."""
     torch._dynamo.reset()
-    st = hsa_graph.NestedSignal.from_parents(PARENTS[1]).structure
-    x = torch.randn(st.num_leaves, 2, 8)
+    st = hsa_graph.NestedSignal.from_parents(parent).structure
+    x = torch.randn(st.num_leaves, 2, width)
     explain = torch._dynamo.explain(lambda a: hsa_graph.hsa(a, a, a, st))(x)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
