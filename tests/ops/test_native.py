@@ -40,6 +40,23 @@ def inputs(n, h, d, dv, seed, scale_up=1.0):
     return q, k, torch.randn(n, h, dv, generator=gen)
 
 
+def with_and_without_kernel(monkeypatch, q, k, v, tree, include_self=True):
+    """``hsa`` without autograd through the kernel, checked equal to the same call
+    through PyTorch's kernels (the compiler hidden), and returned."""
+    with torch.no_grad():
+        fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+        monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
+        slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+        monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+    return fast
+
+
+def check_dense(y, parents, q, k, v, include_self=True):
+    want = dense_hsa(parents, q.double(), k.double(), v.double(), include_self=include_self)
+    torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
+
+
 def check(q, k, v, size, include_self, scale=0.125, atol=2e-5):
     with torch.no_grad():
         result = native_family_attention(q, k, v, size, include_self, scale)
@@ -150,17 +167,10 @@ def test_hsa_with_and_without_the_kernel(monkeypatch):
         tree = Batch.from_data_list([hsa_graph.NestedSignal.from_parents(p)
                                      for p in parents])
         q, k, v = inputs(3 * leaves, 2, 32, dv, seed=leaves + dv)
-        with torch.no_grad():
-            fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
-            slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
-        torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+        fast = with_and_without_kernel(monkeypatch, q, k, v, tree, include_self)
         for t in range(3):
             rows = slice(t * leaves, (t + 1) * leaves)
-            want = dense_hsa(parents[t], q[rows].double(), k[rows].double(),
-                             v[rows].double(), include_self=include_self)
-            torch.testing.assert_close(fast[rows].double(), want, atol=2e-5, rtol=1e-5)
+            check_dense(fast[rows], parents[t], q[rows], k[rows], v[rows], include_self)
 
 
 def test_build_is_cached_and_failure_falls_back(monkeypatch, tmp_path):
@@ -265,15 +275,8 @@ def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
     q, k, v = inputs(n, 2, 32, 32, seed=12)
     tree = hsa_graph.NestedSignal.from_parents(parents)
     for include_self in (True, False):
-        with torch.no_grad():
-            fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
-            slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-            monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
-        want = dense_hsa(parents, q.double(), k.double(), v.double(),
-                         include_self=include_self)
-        torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+        fast = with_and_without_kernel(monkeypatch, q, k, v, tree, include_self)
+        check_dense(fast, parents, q, k, v, include_self)
     assert any(calls)
 
 
@@ -309,15 +312,8 @@ def test_internal_families_take_the_gathered_kernel(monkeypatch):
         n = len(parents) - len(set(parents) - {-1})
         q, k, v = inputs(n, 2, 16, 16, seed=len(parents))
         for include_self in (True, False):
-            with torch.no_grad():
-                fast = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-                monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", False)
-                slow = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
-                monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", True)
-            want = dense_hsa(parents, q.double(), k.double(), v.double(),
-                             include_self=include_self)
-            torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
-            torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+            fast = with_and_without_kernel(monkeypatch, q, k, v, tree, include_self)
+            check_dense(fast, parents, q, k, v, include_self)
         assert any(rows < n for rows in kinds), "no bucket of internal members ran natively"
 
 
@@ -397,6 +393,4 @@ def test_ragged_means_read_no_leaf_again(monkeypatch):
     q, k, v = inputs(n, 2, 32, 32, seed=9)
     monkeypatch.setattr(TreeStructure, "to_internal", no_leaf_sums)
     with torch.no_grad():
-        fast = hsa_graph.hsa(q, k, v, tree)
-    want = dense_hsa(parents, q.double(), k.double(), v.double())
-    torch.testing.assert_close(fast.double(), want, atol=2e-5, rtol=1e-5)
+        check_dense(hsa_graph.hsa(q, k, v, tree), parents, q, k, v)
