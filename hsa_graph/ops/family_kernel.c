@@ -108,6 +108,32 @@ static inline void transpose16(vf *r) {
     }
 }
 
+/* xt[d][r] = rows[r][d] for `count` <= 16 rows of `width` floats (lanes past `count`
+ * zero): a block of rows transposed, 16 features at a time */
+static inline void transpose_rows(vf *xt, const float *const *rows, int64_t count,
+                                  int64_t width) {
+    for (int64_t d0 = 0; d0 < width; d0 += LANES) {
+        vf *block = xt + d0;
+        for (int64_t r = 0; r < count; ++r) block[r] = load(rows[r] + d0);
+        for (int64_t r = count; r < LANES; ++r) block[r] = splat(0.0f);
+        transpose16(block);
+    }
+}
+
+/* out[r] = sum_d rows[r][d] xt[d] for four rows against a transposed block xt (lane c:
+ * the block's column c): two accumulators per row, eight independent FMA chains */
+static inline void dot4(const vf *xt, const float *const *rows, int64_t width, vf *out) {
+    vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    for (int64_t d = 0; d < width; d += 2) {
+        const vf x = xt[d], y = xt[d + 1];
+        a0 += splat(rows[0][d]) * x; c0 += splat(rows[0][d + 1]) * y;
+        a1 += splat(rows[1][d]) * x; c1 += splat(rows[1][d + 1]) * y;
+        a2 += splat(rows[2][d]) * x; c2 += splat(rows[2][d + 1]) * y;
+        a3 += splat(rows[3][d]) * x; c3 += splat(rows[3][d + 1]) * y;
+    }
+    out[0] = a0 + c0; out[1] = a1 + c1; out[2] = a2 + c2; out[3] = a3 + c3;
+}
+
 /* one family, one head: see the top of the file. q[j], k[j], v[j], out[j]: slot j's rows
  * (this head's features; out[j] NULL: no row written); bias[j]: the slot's key bias (-inf
  * on padding, whose rows are read but neither attended to nor summed); sums may be NULL. */
@@ -137,25 +163,13 @@ static void family_head(const float *const *q, const float *const *k, const floa
     }
     for (int64_t i0 = 0; i0 < b; i0 += LANES) {
         const int64_t queries = b - i0 < LANES ? b - i0 : LANES;
-        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-            vf *block = qt + d0;
-            for (int64_t r = 0; r < queries; ++r) block[r] = load(q[i0 + r] + d0);
-            for (int64_t r = queries; r < LANES; ++r) block[r] = splat(0.0f);
-            transpose16(block);
-        }
-        /* four keys at a time, two accumulators each (eight independent FMA chains) */
+        transpose_rows(qt, q + i0, queries, D);
+        /* four keys at a time */
         for (int64_t j0 = 0; j0 < b; j0 += 4) {
             const float *key[4];
             for (int r = 0; r < 4; ++r) key[r] = k[j0 + r < b ? j0 + r : j0];
-            vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-            for (int64_t d = 0; d < D; d += 2) {
-                const vf x = qt[d], y = qt[d + 1];
-                a0 += splat(key[0][d]) * x; c0 += splat(key[0][d + 1]) * y;
-                a1 += splat(key[1][d]) * x; c1 += splat(key[1][d + 1]) * y;
-                a2 += splat(key[2][d]) * x; c2 += splat(key[2][d + 1]) * y;
-                a3 += splat(key[3][d]) * x; c3 += splat(key[3][d + 1]) * y;
-            }
-            const vf sums[4] = {a0 + c0, a1 + c1, a2 + c2, a3 + c3};
+            vf sums[4];
+            dot4(qt, key, D, sums);
             for (int r = 0; r < 4 && j0 + r < b; ++r)
                 logit[j0 + r] = sums[r] * splat(scale) + splat(bias[j0 + r]);
         }
@@ -251,6 +265,151 @@ void hsa_family_attention_f32(const float *q, const float *k, const float *v, fl
             family_head(qs, ks, vs, outs, bias, lse + at * b,
                         sum_q ? sum_q + sum_at * D : NULL, sum_q ? sum_k + sum_at * D : NULL,
                         sum_q ? sum_v + sum_at * Dv : NULL, b, D, Dv, scale, include_self);
+        }
+    }
+}
+
+/* dst += sum_r weight[r] rows[r] over `count` rows of `width` floats: 64 features at a
+ * time held in registers while the rows add into them */
+static inline void add_weighted_rows(float *dst, const float *const *rows,
+                                     const float *weight, int64_t count, int64_t width) {
+    for (int64_t d0 = 0; d0 < width; d0 += 4 * LANES) {
+        const int64_t w = width - d0 < 4 * LANES ? (width - d0) / LANES : 4;
+        vf acc[4];
+        for (int64_t c = 0; c < w; ++c) acc[c] = load(dst + d0 + c * LANES);
+        for (int64_t r = 0; r < count; ++r) {
+            const vf s = splat(weight[r]);
+            for (int64_t c = 0; c < w; ++c) acc[c] += s * load(rows[r] + d0 + c * LANES);
+        }
+        for (int64_t c = 0; c < w; ++c) store(dst + d0 + c * LANES, acc[c]);
+    }
+}
+
+/* The gradients of family_head's softmax attention, one family and head, recomputing
+ * P = exp(S - lse) from q, k and the forward's log-sum-exp (b slots, no padding, key
+ * bias 0). With dO the outputs' gradient, D_i = <dO_i, o_i> and dl the log-sum-exp's
+ * gradient (NULL: 0):
+ *
+ *     dP_ij = <dO_i, v_j>,   dS_ij = P_ij (dP_ij - D_i + dl_i)
+ *     dq_i = s sum_j dS_ij k_j,   dk_j = s sum_i dS_ij q_i,   dv_j = sum_i P_ij dO_i
+ *
+ * plus g_q, g_k, g_v (the gradients of the family's sums of q, k, v; NULL: 0) on every
+ * row. dq, dk, dv[j]: slot j's gradient rows, written (dk, dv accumulated in place
+ * after their first write). */
+static void family_head_backward(const float *const *q, const float *const *k,
+                                 const float *const *v, const float *const *o,
+                                 const float *const *d_o, const float *lse,
+                                 const float *d_lse, const float *g_q, const float *g_k,
+                                 const float *g_v, float *const *dq, float *const *dk,
+                                 float *const *dv, int64_t b, int64_t D, int64_t Dv,
+                                 float scale, int include_self) {
+    vf qt[MAX_D];             /* a block of queries transposed, as in family_head */
+    vf dot[MAX_D];            /* the block's output gradients transposed */
+    vf dqt[MAX_D];            /* the block's query gradients, transposed */
+    vf p[MAX_FAMILY], ds[MAX_FAMILY];
+    for (int64_t j = 0; j < b; ++j) {
+        for (int64_t d0 = 0; d0 < D; d0 += LANES)
+            store(dk[j] + d0, g_k ? load(g_k + d0) : splat(0.0f));
+        for (int64_t d0 = 0; d0 < Dv; d0 += LANES)
+            store(dv[j] + d0, g_v ? load(g_v + d0) : splat(0.0f));
+    }
+    for (int64_t i0 = 0; i0 < b; i0 += LANES) {
+        const int64_t queries = b - i0 < LANES ? b - i0 : LANES;
+        transpose_rows(qt, q + i0, queries, D);
+        transpose_rows(dot, d_o + i0, queries, Dv);
+        for (int64_t d = 0; d < D; ++d) dqt[d] = splat(0.0f);
+        float row_lse[LANES], row_shift[LANES];
+        for (int64_t r = 0; r < LANES; ++r) {
+            row_lse[r] = r < queries ? lse[i0 + r] : INFINITY;   /* P = 0 off the block */
+            float delta = 0.0f;
+            if (r < queries) {
+                vf acc = splat(0.0f);
+                for (int64_t d0 = 0; d0 < Dv; d0 += LANES)
+                    acc += load(d_o[i0 + r] + d0) * load(o[i0 + r] + d0);
+                for (int c = 0; c < LANES; ++c) delta += acc[c];
+            }
+            row_shift[r] = (d_lse && r < queries ? d_lse[i0 + r] : 0.0f) - delta;
+        }
+        vf lse_v, shift_v;
+        memcpy(&lse_v, row_lse, sizeof lse_v);
+        memcpy(&shift_v, row_shift, sizeof shift_v);
+        /* a row whose every key was masked (lse -inf) has P = 0 */
+        const vi dead = lse_v == splat(-INFINITY);
+        /* logits and dP four keys at a time */
+        for (int64_t j0 = 0; j0 < b; j0 += 4) {
+            const float *key[4], *value[4];
+            for (int r = 0; r < 4; ++r) {
+                key[r] = k[j0 + r < b ? j0 + r : j0];
+                value[r] = v[j0 + r < b ? j0 + r : j0];
+            }
+            vf logits[4], dps[4];
+            dot4(qt, key, D, logits);
+            dot4(dot, value, Dv, dps);
+            for (int r = 0; r < 4 && j0 + r < b; ++r) {
+                const int64_t j = j0 + r;
+                vf pj = vexp(logits[r] * splat(scale) - lse_v);
+                pj = where(dead, splat(0.0f), pj);
+                if (!include_self && j >= i0 && j < i0 + queries) pj[j - i0] = 0.0f;
+                p[j] = pj;
+                ds[j] = pj * (dps[r] + shift_v) * splat(scale);
+            }
+        }
+        /* dq (transposed, accumulated over the keys), then dk and dv row by row: each
+         * key's rows held in registers while the block's queries add into them */
+        for (int64_t j = 0; j < b; ++j) {
+            const vf sj = ds[j];
+            for (int64_t d = 0; d < D; ++d) dqt[d] += sj * splat(k[j][d]);
+        }
+        for (int64_t j = 0; j < b; ++j) {
+            float sj[LANES], pj[LANES];
+            memcpy(sj, &ds[j], sizeof sj);
+            memcpy(pj, &p[j], sizeof pj);
+            add_weighted_rows(dk[j], q + i0, sj, queries, D);
+            add_weighted_rows(dv[j], d_o + i0, pj, queries, Dv);
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+            transpose16(dqt + d0);
+            for (int64_t r = 0; r < queries; ++r)
+                store(dq[i0 + r] + d0, g_q ? dqt[d0 + r] + load(g_q + d0) : dqt[d0 + r]);
+        }
+    }
+}
+
+/* The backward of hsa_family_attention_f32 over families of b consecutive rows
+ * (no rows_in, no key bias): q, k, v, o, d_o rows `row_*` and heads `head_*` floats
+ * apart; dq, dk [N, H, D] and dv [N, H, Dv] dense, written whole; lse, d_lse [F, H, b]
+ * (d_lse NULL: 0); g_q, g_k [F, H, D], g_v [F, H, Dv] dense (NULL: 0). Families split
+ * over `threads` OpenMP threads. */
+void hsa_family_attention_backward_f32(
+        const float *q, const float *k, const float *v, const float *o, const float *d_o,
+        const float *lse, const float *d_lse, const float *g_q, const float *g_k,
+        const float *g_v, float *dq, float *dk, float *dv, int64_t F, int64_t b, int64_t H,
+        int64_t D, int64_t Dv, int64_t row_q, int64_t head_q, int64_t row_k, int64_t head_k,
+        int64_t row_v, int64_t head_v, int64_t row_o, int64_t head_o, int64_t row_do,
+        int64_t head_do, float scale, int include_self, int threads) {
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && F > 1)
+    for (int64_t f = 0; f < F; ++f) {
+        const float *qs[MAX_FAMILY], *ks[MAX_FAMILY], *vs[MAX_FAMILY], *os[MAX_FAMILY],
+            *dos[MAX_FAMILY];
+        float *dqs[MAX_FAMILY], *dks[MAX_FAMILY], *dvs[MAX_FAMILY];
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t j = 0; j < b; ++j) {
+                const int64_t row = f * b + j;
+                qs[j] = q + row * row_q + h * head_q;
+                ks[j] = k + row * row_k + h * head_k;
+                vs[j] = v + row * row_v + h * head_v;
+                os[j] = o + row * row_o + h * head_o;
+                dos[j] = d_o + row * row_do + h * head_do;
+                dqs[j] = dq + (row * H + h) * D;
+                dks[j] = dk + (row * H + h) * D;
+                dvs[j] = dv + (row * H + h) * Dv;
+            }
+            const int64_t at = f * H + h;
+            family_head_backward(qs, ks, vs, os, dos, lse + at * b,
+                                 d_lse ? d_lse + at * b : NULL, g_q ? g_q + at * D : NULL,
+                                 g_k ? g_k + at * D : NULL, g_v ? g_v + at * Dv : NULL, dqs,
+                                 dks, dvs, b, D, Dv, scale, include_self);
         }
     }
 }

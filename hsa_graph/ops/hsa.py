@@ -35,7 +35,12 @@ from ..structure import (
 )
 from .flash import _widened, cpu_flash_attention, cpu_flash_attention_backward
 from .inputs import AttentionInputs, no_autocast, prepare_attention
-from .native import native_applies, native_family_attention, native_gathered_family_attention
+from .native import (
+    native_applies,
+    native_family_attention,
+    native_family_attention_backward,
+    native_gathered_family_attention,
+)
 
 __all__ = ["hsa"]
 
@@ -272,9 +277,17 @@ class _FamilyAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float,
-                family_sums: bool = False, records: bool = False):
-        p = None
-        if _small_families(q, k, records):
+                family_sums: bool = False, records: bool = False,
+                native_self: Optional[bool] = None):
+        p = sums = None
+        ctx.native_self = None
+        rows = None if native_self is None else _token_rows(q, k, v)
+        native = None if rows is None else native_family_attention(
+            *rows, q.shape[2], native_self, scale)
+        if native is not None:
+            out, lse, *sums = native
+            ctx.native_self = native_self
+        elif _small_families(q, k, records):
             out, lse, p = _batched_family_attention(q, k, v, bias, scale)
         else:
             out, lse = _family_attention_forward(q, k, v, bias, scale)
@@ -282,7 +295,7 @@ class _FamilyAttention(torch.autograd.Function):
         ctx.scale = scale
         if not family_sums:
             return out, lse
-        return (out, lse, *(_family_sum(t) for t in (q, k, v)))
+        return (out, lse, *(sums or (_family_sum(t) for t in (q, k, v))))
 
     @staticmethod
     def backward(ctx, d_out: Optional[Tensor], d_lse: Optional[Tensor], *d_sums):
@@ -302,8 +315,18 @@ class _FamilyAttention(torch.autograd.Function):
                      for g in zip(*heads)]
             grads = [g if g is None or d is None else g + d.unsqueeze(2)
                      for g, d in zip(grads, d_sums)]
-            return (*grads, None, None, None, None)
-        if p is not None:
+            return (*grads, None, None, None, None, None)
+        native = None
+        f, h, b = q.shape[:3]
+        rows = (None if ctx.native_self is None or d_out is None
+                else _token_rows(q, k, v, out))
+        if rows is not None:
+            native = native_family_attention_backward(
+                *rows, lse, d_out.transpose(1, 2).reshape(f * b, h, d_out.shape[3]), d_lse,
+                d_sums, b, ctx.native_self, ctx.scale)
+        if native is not None:  # token-major rows back to [F, H, b, *] views
+            grads = [g.view(f, b, *g.shape[1:]).transpose(1, 2) for g in native]
+        elif p is not None:
             grads = _batched_family_attention_backward(q, k, v, p, d_out, d_lse, ctx.scale,
                                                        needs, d_sums)
         else:
@@ -312,13 +335,32 @@ class _FamilyAttention(torch.autograd.Function):
             grads = [g.add_(d.unsqueeze(2)) if g is not None and d is not None else g
                      for g, d in zip(grads, d_sums)]
         return (*(g if need else None for g, need in zip(grads, needs[:3])),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _family_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], scale: float,
-                      family_sums: bool = False) -> Tuple[Tensor, ...]:
-    """:class:`_FamilyAttention`, told whether autograd records the call."""
-    return _FamilyAttention.apply(q, k, v, bias, scale, family_sums, records_grad(q, k, v))
+                      family_sums: bool = False, native_self: Optional[bool] = None
+                      ) -> Tuple[Tensor, ...]:
+    """:class:`_FamilyAttention`, told whether autograd records the call. ``native_self``:
+    for families of leaves alone, every slot a leaf and ``bias`` the mask of
+    ``include_self = native_self`` (the bucket of every leaf), the compiled kernel
+    (:mod:`hsa_graph.ops.native`) runs forward and backward where it applies."""
+    return _FamilyAttention.apply(q, k, v, bias, scale, family_sums, records_grad(q, k, v),
+                                  native_self)
+
+
+def _token_rows(*members: Tensor) -> Optional[Tuple[Tensor, ...]]:
+    """``[F, H, b, *]`` family views of consecutive token-major rows as the ``[F * b, H,
+    *]`` rows they view (no copy: ``None`` where a member is laid out otherwise, e.g.
+    gathered head-major)."""
+    rows = []
+    for t in members:
+        f, h, b = t.shape[:3]
+        if t.stride(0) != b * t.stride(2) or t.stride(-1) != 1:
+            return None
+        rows.append(t.as_strided((f * b, h, t.shape[3]), (t.stride(2), t.stride(1), 1),
+                                 t.storage_offset()))
+    return tuple(rows)
 
 
 def _family_attention_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -1111,10 +1153,14 @@ def hsa_statistics(st: TreeStructure, q: Tensor, k: Tensor, include_self: bool,
             bucket = st.buckets[whole]
             members = tuple(st.gather_bucket(bucket, t, t).transpose(1, 2)
                             for t in (q, k, v))
-            softmax = (_leaf_family_softmax if defer_leaf_values
-                       and _small_families(*members[:2], True) else _family_attention)
-            first[whole] = softmax(*members, _bucket_bias(st, whole, include_self, q.dtype),
-                                   scale, True)
+            bias = _bucket_bias(st, whole, include_self, q.dtype)
+            if native_applies(q.detach(), k.detach(), v.detach(), bucket.size):
+                # the compiled kernel forward and backward (the family outputs full-size)
+                first[whole] = _family_attention(*members, bias, scale, True, include_self)
+            else:
+                softmax = (_leaf_family_softmax if defer_leaf_values
+                           and _small_families(*members[:2], True) else _family_attention)
+                first[whole] = softmax(*members, bias, scale, True)
             family_sums = first[whole][2:]
     pos_leaf, pos_internal = _positions_by_row(st, pos, q.dtype)
     leaf_operands, fscale = _leaf_operands(q, k, v, pos_leaf, scale)

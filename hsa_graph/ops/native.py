@@ -7,7 +7,12 @@ block 4x wider: its fused CPU kernel makes two BLAS calls per family and head, a
 batched matmuls three full-size passes. ``family_kernel.c`` (beside this file) does a
 family's heads in one pass over its rows while they are in cache, and also sums its
 ``q``, ``k`` and ``v`` rows (the operands of the families above, which would otherwise
-be a fourth read of each).
+be a fourth read of each). Its backward (:func:`native_family_attention_backward`)
+recomputes each family's probabilities from ``q``, ``k`` and the saved log-sum-exp and
+writes ``dq``, ``dk``, ``dv`` once, in the same pass; ``hsa`` takes it for the bucket of
+every leaf where autograd records (forward + backward of hsa on balanced trees of 64 to
+4,096 leaves, 4,096 per batch, 4 heads, D = 64: 0.90-0.95x the time through PyTorch's
+kernels, calls alternated in one process, 1 and 2 threads).
 
 Measured (one family softmax over 256 families of 16 leaves, 4 heads, D = 64, float32,
 token-major rows, medians of 200 calls alternated in one process, 2 cores): 2.13 ms at 1
@@ -44,8 +49,8 @@ from torch import Tensor
 from .. import typing as hsa_typing
 from ..structure import fresh_buffer
 
-__all__ = ["native_applies", "native_family_attention", "native_gathered_family_attention",
-           "native_kernel_available"]
+__all__ = ["native_applies", "native_family_attention", "native_family_attention_backward",
+           "native_gathered_family_attention", "native_kernel_available"]
 
 SOURCE = Path(__file__).with_name("family_kernel.c")
 #: Largest family the kernel takes.
@@ -56,6 +61,7 @@ MAX_D = 1024
 
 _lock = threading.Lock()
 _kernel = None        # the loaded function, once built
+_backward_kernel = None   # its backward, from the same library
 _tried = False        # whether this process has tried to build it
 
 
@@ -129,7 +135,7 @@ def _build(compiler: str) -> Tuple[Optional[Path], str]:
 def _load():
     """The kernel's function, built on the first call; ``None`` without a compiler or
     where the build failed (warned once)."""
-    global _kernel, _tried
+    global _kernel, _backward_kernel, _tried
     if _kernel is not None or _tried:
         return _kernel
     with _lock:
@@ -142,8 +148,10 @@ def _load():
         try:
             library, errors = _build(compiler)
             if library is not None:
-                function = ctypes.CDLL(str(library)).hsa_family_attention_f32
-        except OSError as error:
+                loaded = ctypes.CDLL(str(library))
+                function = loaded.hsa_family_attention_f32
+                backward = loaded.hsa_family_attention_backward_f32
+        except (OSError, AttributeError) as error:
             library, errors = None, str(error)
         if library is None:
             warnings.warn(f"hsa_graph: building the CPU family kernel with {compiler} "
@@ -154,7 +162,10 @@ def _load():
         function.argtypes = ([pointer] * 12 + [size] * 13
                              + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         function.restype = None
-        _kernel = function
+        backward.argtypes = ([pointer] * 13 + [size] * 15
+                             + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+        backward.restype = None
+        _kernel, _backward_kernel = function, backward
         return _kernel
 
 
@@ -318,3 +329,52 @@ def native_gathered_family_attention(q: Tensor, k: Tensor, v: Tensor, rows_in: T
     _run(kernel, q, k, v, out, lse, sums, sum_rows, rows_in, rows_out, key_bias, f, b,
          include_self, scale)
     return out, lse
+
+
+def native_family_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                     lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor],
+                                     d_sums: Tuple[Optional[Tensor], ...], size: int,
+                                     include_self: bool, scale: float
+                                     ) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    r"""The gradients of :func:`native_family_attention` (families of ``size``
+    consecutive rows of ``q, k`` ``[N, H, D]``, ``v`` ``[N, H, Dv]``), through the
+    compiled kernel: from ``out`` and ``d_out`` ``[N, H, Dv]`` (the output and its
+    gradient), ``lse`` and ``d_lse`` ``[F, H, b]`` (``d_lse`` ``None``: zero) and the
+    gradients of the families' sums ``d_sums`` (three ``[F, H, *]`` or ``None``), with
+    :math:`P = e^{S - \ell}` recomputed from ``q, k``:
+
+    .. math::
+        dS_{ij} = P_{ij} (\langle dO_i, v_j \rangle - \langle dO_i, o_i \rangle
+        + d\ell_i), \quad dq_i = s \sum_j dS_{ij} k_j, \quad
+        dk_j = s \sum_i dS_{ij} q_i, \quad dv_j = \sum_i P_{ij}\, dO_i
+
+    plus each family's sums' gradient on every row of it. Returns new dense ``dq, dk,
+    dv``, each written once, or ``None`` where :func:`native_family_attention` would
+    not apply (rows and heads of the inputs may have any strides, features dense)."""
+    if not (_applies(q, k, v, size) and q.shape[0] % size == 0 and _fits(out, *v.shape[:2])
+            and _fits(d_out, *v.shape[:2]) and out.shape == v.shape == d_out.shape):
+        return None
+    if _load() is None:
+        return None
+    n, h, d, dv = *q.shape, v.shape[2]
+    f = n // size
+    lse = lse.contiguous()
+    d_lse = None if d_lse is None else d_lse.contiguous()
+    if lse.shape != (f, h, size) or (d_lse is not None and d_lse.shape != lse.shape):
+        return None
+    sums = tuple(None if g is None else g.contiguous() for g in d_sums)
+    if any(g is not None and g.shape != (f, h, w) for g, w in zip(sums, (d, d, dv))):
+        return None
+    grads = (fresh_buffer(q, (n, h, d)), fresh_buffer(k, (n, h, d)), fresh_buffer(v, (n, h, dv)))
+
+    def pointer(t: Optional[Tensor]) -> Optional[int]:
+        return None if t is None else t.data_ptr()
+
+    _backward_kernel(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), d_out.data_ptr(),
+        lse.data_ptr(), pointer(d_lse), *(pointer(g) for g in sums),
+        *(g.data_ptr() for g in grads), f, size, h, d, dv, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        d_out.stride(0), d_out.stride(1), float(scale), int(include_self),
+        torch.get_num_threads())
+    return grads

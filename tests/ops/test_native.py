@@ -394,3 +394,107 @@ def test_ragged_means_read_no_leaf_again(monkeypatch):
     monkeypatch.setattr(TreeStructure, "to_internal", no_leaf_sums)
     with torch.no_grad():
         check_dense(hsa_graph.hsa(q, k, v, tree), parents, q, k, v)
+
+
+@pytest.mark.parametrize("size", [1, 3, 16, 24, 64])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_backward_matches_autograd_of_the_reference(size, include_self):
+    """The kernel's backward (P recomputed from q, k and the log-sum-exp) against
+    autograd through the float64 reference, for random gradients of the output, the
+    log-sum-exp and the families' sums, on strided rows (q, k, v views of one
+    projection, the output's gradient a transposed view)."""
+    if size == 1 and not include_self:   # no key at all: the reference's gradient is NaN
+        pytest.skip("a row without keys")
+    n, h, d, dv = 5 * size, 2, 32, 16
+    gen = torch.Generator().manual_seed(size)
+    qkv = torch.randn(n, 2 * h * d + h * dv, generator=gen)
+    q = qkv[:, :h * d].view(n, h, d)
+    k = qkv[:, h * d:2 * h * d].view(n, h, d)
+    v = qkv[:, 2 * h * d:].view(n, h, dv)
+    f = n // size
+    d_out = torch.randn(h, n, dv, generator=gen).transpose(0, 1)
+    d_lse = torch.randn(f, h, size, generator=gen)
+    d_sums = (torch.randn(f, h, d, generator=gen), torch.randn(f, h, d, generator=gen),
+              torch.randn(f, h, dv, generator=gen))
+    with torch.no_grad():
+        out, lse, *_ = native_family_attention(q, k, v, size, include_self, 0.3)
+        out = out.transpose(1, 2).reshape(n, h, dv)
+        grads = native.native_family_attention_backward(
+            q, k, v, out, lse, d_out, d_lse, d_sums, size, include_self, 0.3)
+    assert grads is not None
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse, want_sums = reference(*leaves, size, include_self, 0.3)
+    loss = ((want_out * d_out.double()).sum() + (want_lse * d_lse.double()).sum()
+            + sum((s * g.double()).sum() for s, g in zip(want_sums, d_sums)))
+    want = torch.autograd.grad(loss, leaves)
+    for got, expected in zip(grads, want):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got.double(), expected, atol=5e-5, rtol=1e-4)
+
+
+def test_backward_without_lse_gradient_and_dead_rows():
+    """``d_lse`` and the sums' gradients may be absent; a row with no key (a family of
+    one without include_self) has ``P = 0``: its query gets no gradient, its key and
+    value only their sums'."""
+    q, k, v = inputs(32, 2, 16, 16, seed=4)
+    with torch.no_grad():
+        out, lse, *_ = native_family_attention(q, k, v, 1, False, 0.5)
+        d_out = torch.randn(32, 2, 16)
+        g_v = torch.randn(32, 2, 16)
+        dq, dk, dv = native.native_family_attention_backward(
+            q, k, v, out.transpose(1, 2).reshape(32, 2, 16), lse, d_out, None,
+            (None, None, g_v), 1, False, 0.5)
+    assert (dq == 0).all() and (dk == 0).all()
+    torch.testing.assert_close(dv, g_v)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dv", [32, 16])
+def test_hsa_gradients_through_the_kernel(monkeypatch, include_self, dv):
+    """Where autograd records, the bucket of every leaf (balanced trees under a root)
+    runs the kernel forward and backward (counted): output and gradients of q, k, v
+    equal PyTorch's kernels and the float64 dense reference; a second-order gradient
+    (create_graph) still goes through differentiable ops."""
+    import hsa_graph.ops.hsa as hsa_ops
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        result = native.native_family_attention_backward(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hsa_ops, "native_family_attention_backward", counted)
+    parents = [-1] + [0] * 4 + [1 + i // 16 for i in range(64)]
+    tree = Batch.from_data_list([hsa_graph.NestedSignal.from_parents(parents)] * 2)
+    q0, k0, v0 = inputs(128, 2, 32, dv, seed=dv)
+    weights = torch.randn(128, 2, dv, generator=torch.Generator().manual_seed(1))
+
+    def run(compiler):
+        monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", compiler)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        y = hsa_graph.hsa(q, k, v, tree, include_self=include_self)
+        (y * weights).sum().backward()
+        return y.detach(), q.grad, k.grad, v.grad
+
+    fast = run(True)
+    assert calls and all(calls)
+    slow = run(False)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    leaves = [t.double().requires_grad_() for t in (q0, k0, v0)]
+    want = torch.cat([dense_hsa(parents, *(t[i * 64:(i + 1) * 64] for t in leaves),
+                                include_self=include_self) for i in range(2)])
+    want_grads = torch.autograd.grad((want * weights.double()).sum(), leaves)
+    torch.testing.assert_close(fast[0].double(), want.detach(), atol=2e-5, rtol=1e-5)
+    for got, expected in zip(fast[1:], want_grads):
+        torch.testing.assert_close(got.double(), expected, atol=5e-5, rtol=1e-4)
+    second = []
+    for compiler in (True, False):
+        monkeypatch.setattr(hsa_typing, "WITH_C_COMPILER", compiler)
+        q = q0.clone().requires_grad_()
+        y = hsa_graph.hsa(q, k0, v0, tree, include_self=include_self)
+        (g,) = torch.autograd.grad((y * weights).sum(), q, create_graph=True)
+        g.square().sum().backward()
+        second.append(q.grad)
+    torch.testing.assert_close(second[0], second[1], atol=1e-4, rtol=1e-4)
