@@ -10,9 +10,9 @@ family's heads in one pass over its rows while they are in cache, and also sums 
 be a fourth read of each). Its backward (:func:`native_family_attention_backward`)
 recomputes each family's probabilities from ``q``, ``k`` and the saved log-sum-exp and
 writes ``dq``, ``dk``, ``dv`` once, in the same pass; ``hsa`` takes it for the bucket of
-every leaf where autograd records (forward + backward of hsa on balanced trees of 64 to
-4,096 leaves, 4,096 per batch, 4 heads, D = 64: 0.90-0.95x the time through PyTorch's
-kernels, calls alternated in one process, 1 and 2 threads).
+every leaf where autograd records (forward + backward of hsa on balanced trees of 64
+leaves, 64 per batch, 4 heads, D = 64, calls alternated in one process with the same
+call through PyTorch's kernels: 0.97-1.02x their time at 1 thread, 0.92-0.94x at 2).
 
 Measured (one family softmax over 256 families of 16 leaves, 4 heads, D = 64, float32,
 token-major rows, medians of 200 calls alternated in one process, 2 cores): 2.13 ms at 1
