@@ -52,6 +52,24 @@ def with_and_without_kernel(monkeypatch, q, k, v, tree, include_self=True):
     return fast
 
 
+def count_kernel_calls(monkeypatch, name):
+    """Wrap ``hsa_graph.ops.hsa``'s handle on the kernel function ``name``: the list
+    returned gets, per call, the rows of its first argument where the kernel ran, else
+    ``None``."""
+    import hsa_graph.ops.hsa as hsa_ops
+
+    calls = []
+    function = getattr(native, name)
+
+    def counted(first, *args, **kwargs):
+        result = function(first, *args, **kwargs)
+        calls.append(None if result is None else first.shape[0])
+        return result
+
+    monkeypatch.setattr(hsa_ops, name, counted)
+    return calls
+
+
 def check_dense(y, parents, q, k, v, include_self=True):
     want = dense_hsa(parents, q.double(), k.double(), v.double(), include_self=include_self)
     torch.testing.assert_close(y.double(), want, atol=2e-5, rtol=1e-5)
@@ -256,16 +274,7 @@ def test_gathered_families_with_padding(size, include_self):
 def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
     """Families of 2..30 leaves in buckets read by index: through ``hsa`` the kernel
     runs (counted), and the result equals the dense reference and PyTorch's kernels."""
-    import hsa_graph.ops.hsa as hsa_ops
-
-    calls = []
-
-    def counted(*args, **kwargs):
-        result = native.native_gathered_family_attention(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hsa_ops, "native_gathered_family_attention", counted)
+    calls = count_kernel_calls(monkeypatch, "native_gathered_family_attention")
     gen = torch.Generator().manual_seed(11)
     sizes = torch.randint(2, 31, (12,), generator=gen).tolist()
     parents = [-1] + [0] * len(sizes)
@@ -277,24 +286,14 @@ def test_ragged_trees_take_the_gathered_kernel(monkeypatch):
     for include_self in (True, False):
         fast = with_and_without_kernel(monkeypatch, q, k, v, tree, include_self)
         check_dense(fast, parents, q, k, v, include_self)
-    assert any(calls)
+    assert any(rows is not None for rows in calls)
 
 
 def test_internal_families_take_the_gathered_kernel(monkeypatch):
     """A balanced tree of branching 16 over 4,096 leaves, and a ragged one: the buckets
     of internal members (read as a range, or by index) run through the kernel without
     autograd, and ``hsa`` equals the dense reference and PyTorch's kernels."""
-    import hsa_graph.ops.hsa as hsa_ops
-
-    kinds = []
-
-    def counted(q, *args, **kwargs):
-        result = native.native_gathered_family_attention(q, *args, **kwargs)
-        if result is not None:
-            kinds.append(q.shape[0])
-        return result
-
-    monkeypatch.setattr(hsa_ops, "native_gathered_family_attention", counted)
+    kinds = count_kernel_calls(monkeypatch, "native_gathered_family_attention")
     gen = torch.Generator().manual_seed(5)
     balanced = [-1] + [0] * 16 + [1 + i // 16 for i in range(256)]
     balanced += [17 + i // 16 for i in range(4096)]
@@ -314,7 +313,8 @@ def test_internal_families_take_the_gathered_kernel(monkeypatch):
         for include_self in (True, False):
             fast = with_and_without_kernel(monkeypatch, q, k, v, tree, include_self)
             check_dense(fast, parents, q, k, v, include_self)
-        assert any(rows < n for rows in kinds), "no bucket of internal members ran natively"
+        assert any(rows is not None and rows < n for rows in kinds), \
+            "no bucket of internal members ran natively"
 
 
 @pytest.mark.parametrize("gathered", [False, True])
@@ -455,16 +455,7 @@ def test_hsa_gradients_through_the_kernel(monkeypatch, include_self, dv):
     runs the kernel forward and backward (counted): output and gradients of q, k, v
     equal PyTorch's kernels and the float64 dense reference; a second-order gradient
     (create_graph) still goes through differentiable ops."""
-    import hsa_graph.ops.hsa as hsa_ops
-
-    calls = []
-
-    def counted(*args, **kwargs):
-        result = native.native_family_attention_backward(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hsa_ops, "native_family_attention_backward", counted)
+    calls = count_kernel_calls(monkeypatch, "native_family_attention_backward")
     parents = [-1] + [0] * 4 + [1 + i // 16 for i in range(64)]
     tree = Batch.from_data_list([hsa_graph.NestedSignal.from_parents(parents)] * 2)
     q0, k0, v0 = inputs(128, 2, 32, dv, seed=dv)
@@ -478,7 +469,7 @@ def test_hsa_gradients_through_the_kernel(monkeypatch, include_self, dv):
         return y.detach(), q.grad, k.grad, v.grad
 
     fast = run(True)
-    assert calls and all(calls)
+    assert calls and all(rows is not None for rows in calls)
     slow = run(False)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
@@ -498,3 +489,48 @@ def test_hsa_gradients_through_the_kernel(monkeypatch, include_self, dv):
         g.square().sum().backward()
         second.append(q.grad)
     torch.testing.assert_close(second[0], second[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("records", [False, True])
+def test_spec_properties_hold_through_the_kernel(monkeypatch, records):
+    """The definition's properties on inputs the kernel takes (float32, widths of 16),
+    without autograd and where it records (the bucket of every leaf runs the kernel
+    forward and backward then): a flat tree is SDPA; rows are stochastic (values of
+    ones give ones); trees in a batch are independent; a unary node is transparent;
+    permuting the members of a family permutes the output alike."""
+    forward = count_kernel_calls(monkeypatch, "native_family_attention")
+    balanced = [-1] + [0] * 4 + [1 + i // 16 for i in range(64)]
+    unary = [-1] + [0] * 4 + [1] + [1 + i // 16 if i >= 16 else 5 for i in range(64)]
+    ragged = [-1, 0, 0] + [1] * 5 + [2] * 11
+
+    def run(parents, q, k, v):
+        q, k, v = (t.clone().requires_grad_(records) for t in (q, k, v))
+        with torch.set_grad_enabled(records):
+            y = hsa_graph.hsa(q, k, v, hsa_graph.NestedSignal.from_parents(parents)
+                              if isinstance(parents, list) else parents)
+        if records:
+            y.square().sum().backward()
+            assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        return y.detach()
+
+    q, k, v = inputs(64, 2, 16, 16, seed=30)
+    flat = Batch.from_data_list([hsa_graph.NestedSignal.from_parents([-1] + [0] * 16)] * 4)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(t.view(4, 16, 2, 16).transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    torch.testing.assert_close(run(flat, q, k, v), sdpa.reshape(64, 2, 16), atol=2e-6,
+                               rtol=1e-5)
+    y = run(balanced, q, k, v)
+    torch.testing.assert_close(run(balanced, q, k, torch.ones_like(v)),
+                               torch.ones_like(v), atol=2e-6, rtol=0)
+    torch.testing.assert_close(run(unary, q, k, v), y, atol=2e-6, rtol=1e-5)
+    perm = torch.cat([f * 16 + torch.randperm(16, generator=torch.Generator().manual_seed(f))
+                      for f in range(4)])
+    torch.testing.assert_close(run(balanced, q[perm], k[perm], v[perm]), y[perm], atol=2e-6,
+                               rtol=1e-5)
+    r = inputs(16, 2, 16, 16, seed=31)
+    both = Batch.from_data_list([hsa_graph.NestedSignal.from_parents(p)
+                                 for p in (balanced, ragged)])
+    together = run(both, *(torch.cat([a, b]) for a, b in zip((q, k, v), r)))
+    torch.testing.assert_close(together[:64], y, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(together[64:], run(ragged, *r), atol=2e-6, rtol=1e-5)
+    assert any(rows is not None for rows in forward)
