@@ -1017,18 +1017,26 @@ class TreeStructure:
         return fresh_buffer(first, (len(leaf_values), self.num_internal + 1, *first.shape[1:]))
 
     @_lazy_field
+    def leaf_only_buckets(self) -> Tuple[int, ...]:
+        """The buckets of leaves alone whose members come from one source
+        (:meth:`source_rows`: the bucket of every leaf, a range, or leaves read by
+        index): those a kernel that reads its members by index can run whole."""
+        return tuple(i for i, b in enumerate(self.buckets)
+                     if b.leaf_slot.numel() and not b.internal_slot.numel()
+                     and self.source_rows(i) is not None)
+
+    @_lazy_field
     def leaf_family_buckets(self) -> Optional[Tuple[int, ...]]:
         """The buckets holding leaves, where every family with a leaf holds leaves alone
-        and each such bucket reads its members from one source
-        (:meth:`source_rows`: a range or an index): a caller that runs them itself can
+        and each such bucket reads its members from one source (all of them
+        :attr:`leaf_only_buckets`): a caller that runs them itself can
         write every family's sums into its parent's row of a :meth:`new_means_buffer`
         and hand it to :meth:`subtree_means`, which then reads no leaf. ``None``
         otherwise (families mixing leaves and internal members, leaves that are an only
         child)."""
-        indices = tuple(i for i, b in enumerate(self.buckets) if b.leaf_slot.numel())
-        if any(self.buckets[i].internal_slot.numel() or self.source_rows(i) is None
-               for i in indices):
-            return None
+        indices = self.leaf_only_buckets
+        if len(indices) != sum(1 for b in self.buckets if b.leaf_slot.numel()):
+            return None   # a bucket mixes leaves and internal members, or reads two sources
         # an only child is in no family, but its parent's sums hold it
         only_child = self.leaf_parent[self.lonely_leaf] < self.num_internal
         return None if bool(only_child.any()) else indices

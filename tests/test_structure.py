@@ -1158,6 +1158,8 @@ def test_means_buffer_filled_by_the_caller(name):
     parent = HAND_MADE[name]
     s = TreeStructure.from_parent(torch.tensor(parent))
     assert (s.leaf_family_buckets is not None) == _leaf_families_alone(parent), name
+    for index in s.leaf_only_buckets:   # leaves alone, from the leaf rows
+        assert s.source_rows(index)[0] and not s.buckets[index].internal_slot.numel()
     q, k, v = (torch.randn(s.num_leaves, 2, 3, dtype=DT) for _ in range(3))
     want = s.subtree_means(q, k, v)
     if s.leaf_family_buckets is None:

@@ -792,9 +792,9 @@ def _native_leaf_buckets(st: TreeStructure, operands: Tuple[Tensor, Tensor, Tens
     q, k, v = operands
     # (native_applies first: it is False while torch.compile traces, before any
     # layout question that would read a tensor on the host)
-    runs = [i for i, b in enumerate(st.buckets)
-            if native_applies(q, k, v, b.size) and b.leaf_slot.numel()
-            and not b.internal_slot.numel() and st.source_rows(i) is not None]
+    if not native_applies(q, k, v, 1):
+        return {}, None
+    runs = [i for i in st.leaf_only_buckets if native_applies(q, k, v, st.buckets[i].size)]
     if not runs:
         return {}, None
     covering = st.leaf_family_buckets if sums and k.shape == v.shape else None
